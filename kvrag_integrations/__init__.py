@@ -1,0 +1,60 @@
+"""Fast RAG on local models by reusing precomputed KV caches of retrieved chunks.
+
+Example:
+    >>> from kvrag_integrations import KVRAGEngine  # doctest: +SKIP
+    >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
+    >>> result = engine.generate(question="Who?", chunks=["Ada wrote it."])  # doctest: +SKIP
+"""
+
+from kvrag_integrations.engine import (
+    Chunk,
+    ChunkKV,
+    ChunkRef,
+    GenerationResult,
+    GenerationStream,
+    KVRAGEngine,
+    PrefillResult,
+    SamplingParams,
+    Strategy,
+    Text,
+    cache_key,
+    make_strategy,
+)
+from kvrag_integrations.errors import (
+    CacheEntryError,
+    ContextWindowExceededError,
+    InvalidChunkError,
+    KVRAGError,
+    StoreWriteError,
+    UnknownStrategyError,
+    UnsupportedModelError,
+)
+from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheEntryError",
+    "Chunk",
+    "ChunkKV",
+    "ChunkRef",
+    "ContextWindowExceededError",
+    "DiskKVStore",
+    "GenerationResult",
+    "GenerationStream",
+    "InvalidChunkError",
+    "KVRAGEngine",
+    "KVRAGError",
+    "KVStore",
+    "MemoryKVStore",
+    "PrefillResult",
+    "SamplingParams",
+    "StoreWriteError",
+    "Strategy",
+    "Text",
+    "UnknownStrategyError",
+    "UnsupportedModelError",
+    "__version__",
+    "cache_key",
+    "make_strategy",
+]

@@ -1,0 +1,24 @@
+"""The framework-free core: torch and transformers only."""
+
+from kvrag_integrations.engine.engine import ChunkRef, GenerationStream, KVRAGEngine, PrefillResult
+from kvrag_integrations.engine.generate import GenerationResult, SamplingParams
+from kvrag_integrations.engine.kv import ChunkKV, cache_key
+from kvrag_integrations.engine.segments import Chunk, Segment, Text
+from kvrag_integrations.engine.strategies import STRATEGIES, Strategy, make_strategy
+
+__all__ = [
+    "STRATEGIES",
+    "Chunk",
+    "ChunkKV",
+    "ChunkRef",
+    "GenerationResult",
+    "GenerationStream",
+    "KVRAGEngine",
+    "PrefillResult",
+    "SamplingParams",
+    "Segment",
+    "Strategy",
+    "Text",
+    "cache_key",
+    "make_strategy",
+]

@@ -1,0 +1,57 @@
+"""Encoding chunks alone, from position 0 (TurboRAG's independent attention)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvrag_integrations.engine.kv import ChunkKV
+
+
+def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(keys, values), ...]`` per layer from a transformers cache object."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(cache.key_cache[i], cache.value_cache[i]) for i in range(len(cache.key_cache))]
+
+
+@torch.no_grad()
+def encode_chunk_batch(
+    lm: Any,
+    token_ids: Sequence[torch.Tensor],
+    fingerprint: str,
+    pad_id: int,
+) -> list[ChunkKV]:
+    """Prefill several chunks in one right-padded batch; each sees only itself.
+
+    Right padding keeps every real token at positions 0..n-1 and the causal mask
+    keeps it from seeing the padding after it, so each chunk's K/V equal those of
+    the chunk prefilled alone (up to float rounding of the batched matmuls).
+    """
+    device = lm.device
+    lengths = [int(ids.numel()) for ids in token_ids]
+    width = max(lengths)
+    batch = torch.full((len(token_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(token_ids), width), dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        batch[row, : ids.numel()] = ids
+        mask[row, : ids.numel()] = 1
+    out = lm.model(
+        input_ids=batch.to(device),
+        attention_mask=mask.to(device),
+        use_cache=True,
+    )
+    layers = cache_layers(out.past_key_values)
+    keys = torch.stack([k for k, _ in layers])  # [L, B, H, T, D]
+    values = torch.stack([v for _, v in layers])
+    return [
+        ChunkKV(
+            token_ids=ids.clone(),
+            keys=keys[:, row, :, :n].contiguous(),
+            values=values[:, row, :, :n].contiguous(),
+            fingerprint=fingerprint,
+        )
+        for row, (ids, n) in enumerate(zip(token_ids, lengths, strict=False))
+    ]

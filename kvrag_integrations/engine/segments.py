@@ -1,0 +1,179 @@
+"""A prompt as a list of segments, and turning it into token ids.
+
+``Text`` is prefilled normally; ``Chunk`` is a retrieved passage whose KV cache
+may be reused. Prompt ids are always the concatenation of each segment's own ids
+(tokenized alone, without special tokens): re-tokenizing the joined string could
+merge tokens across a boundary, and then no cached chunk would line up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvrag_integrations.errors import InvalidChunkError
+
+DEFAULT_INSTRUCTION = (
+    "Answer the question using the documents below. Answer briefly, with a few words."
+)
+
+
+@dataclass(frozen=True)
+class Text:
+    """Plain prompt text, always prefilled.
+
+    Example:
+        >>> Text("Question: who?").text
+        'Question: who?'
+    """
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A retrieved passage whose KV cache is precomputed and reused.
+
+    Example:
+        >>> Chunk("Paris is the capital of France.").text
+        'Paris is the capital of France.'
+    """
+
+    text: str
+
+    def __post_init__(self) -> None:
+        validate_chunk_text(self.text)
+
+
+Segment = Text | Chunk
+
+
+def validate_chunk_text(text: Any) -> str:
+    """Return ``text`` if it can be a chunk, else raise InvalidChunkError."""
+    if not isinstance(text, str):
+        raise InvalidChunkError(f"a chunk must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise InvalidChunkError("a chunk must contain non-whitespace text")
+    return text
+
+
+@dataclass
+class Piece:
+    """One tokenized segment."""
+
+    ids: torch.Tensor  # int64 [n]
+    is_chunk: bool
+    text: str
+
+
+@dataclass
+class TokenizedPrompt:
+    """The prompt as tokenized pieces, in order."""
+
+    pieces: list[Piece]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        if not self.pieces:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat([p.ids for p in self.pieces])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.ids.numel() for p in self.pieces)
+
+    @property
+    def chunk_pieces(self) -> list[Piece]:
+        return [p for p in self.pieces if p.is_chunk]
+
+
+def tokenize_text(tokenizer: Any, text: str) -> torch.Tensor:
+    """Token ids of ``text`` alone, with no special tokens added."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def tokenize_segments(tokenizer: Any, segments: Sequence[Segment]) -> TokenizedPrompt:
+    """Tokenize each segment alone and keep them in order (empty Text is dropped)."""
+    pieces = []
+    for seg in segments:
+        if isinstance(seg, Chunk):
+            pieces.append(Piece(tokenize_text(tokenizer, seg.text), True, seg.text))
+        elif isinstance(seg, Text):
+            if not isinstance(seg.text, str):
+                raise TypeError(f"Text.text must be a str, got {type(seg.text).__name__}")
+            if seg.text:
+                pieces.append(Piece(tokenize_text(tokenizer, seg.text), False, seg.text))
+        else:
+            raise TypeError(f"segments must be Text or Chunk, got {type(seg).__name__}")
+    return TokenizedPrompt([p for p in pieces if p.ids.numel() > 0])
+
+
+def rag_user_segments(
+    question: str, chunks: Sequence[str], instruction: str = DEFAULT_INSTRUCTION
+) -> list[Segment]:
+    """The default RAG layout: instruction, each chunk, then the question.
+
+    Example:
+        >>> [type(s).__name__ for s in rag_user_segments("Who?", ["A.", "B."])]
+        ['Text', 'Chunk', 'Text', 'Chunk', 'Text']
+    """
+    if not isinstance(question, str):
+        raise TypeError(f"question must be a str, got {type(question).__name__}")
+    segments: list[Segment] = []
+    lead = f"{instruction}\n\n" if instruction else ""
+    for i, text in enumerate(chunks):
+        segments.append(Text(lead if i == 0 else "\n\n"))
+        segments.append(Chunk(text))
+    tail = f"\n\nQuestion: {question}" if chunks else f"{lead}Question: {question}"
+    segments.append(Text(tail))
+    return [s for s in segments if not (isinstance(s, Text) and not s.text)]
+
+
+_SENTINEL = "\x00kvrag-chunk-{}\x00"
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    user: Sequence[Segment],
+    system_prompt: str | None = None,
+    history: Sequence[dict[str, str]] = (),
+) -> list[Segment]:
+    """Wrap user-message segments in the model's chat template, keeping chunks intact.
+
+    The template is rendered with a sentinel in place of each chunk and the result
+    is split at the sentinels, so chunks stay separate segments whose ids match
+    their stored caches.
+
+    Args:
+        tokenizer: a tokenizer with ``chat_template``.
+        user: the user message as segments.
+        system_prompt: optional system message (else the template's default).
+        history: earlier ``{"role", "content"}`` messages, rendered as text.
+    """
+    content = "".join(
+        _SENTINEL.format(i) if isinstance(s, Chunk) else s.text for i, s in enumerate(user)
+    )
+    messages = list(history)
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    messages.append({"role": "user", "content": content})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return split_rendered(rendered, {i: s for i, s in enumerate(user) if isinstance(s, Chunk)})
+
+
+def split_rendered(rendered: str, chunks: dict[int, Chunk]) -> list[Segment]:
+    """Split a rendered prompt at chunk sentinels into Text and Chunk segments."""
+    out: list[Segment] = []
+    rest = rendered
+    for i, chunk in chunks.items():
+        marker = _SENTINEL.format(i)
+        before, found, rest = rest.partition(marker)
+        if not found:
+            raise ValueError("the chat template dropped or altered a chunk placeholder")
+        out += [Text(before), chunk]
+    out.append(Text(rest))
+    return [s for s in out if not (isinstance(s, Text) and not s.text)]

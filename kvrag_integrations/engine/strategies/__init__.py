@@ -1,0 +1,42 @@
+"""Prompt-cache strategies, one class each, behind one interface.
+
+Example:
+    >>> make_strategy("turbo").name
+    'turbo'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
+from kvrag_integrations.engine.strategies.full import FullPrefill
+from kvrag_integrations.engine.strategies.turbo import TurboRAG
+from kvrag_integrations.errors import UnknownStrategyError
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    FullPrefill.name: FullPrefill,
+    TurboRAG.name: TurboRAG,
+}
+
+
+def make_strategy(strategy: str | Strategy, **options: Any) -> Strategy:
+    """Return a strategy instance from a name (with options) or pass one through.
+
+    Raises:
+        UnknownStrategyError: no strategy has that name.
+        TypeError: an option the strategy does not take.
+    """
+    if isinstance(strategy, Strategy):
+        if options:
+            raise TypeError("options go to the strategy's constructor, not with an instance")
+        return strategy
+    cls = STRATEGIES.get(strategy) if isinstance(strategy, str) else None
+    if cls is None:
+        raise UnknownStrategyError(
+            f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}"
+        )
+    return cls(**options)
+
+
+__all__ = ["STRATEGIES", "FullPrefill", "PrefillOutput", "Strategy", "TurboRAG", "make_strategy"]

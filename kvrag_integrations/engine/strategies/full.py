@@ -1,0 +1,40 @@
+"""The reference: a plain prefill of the whole prompt through transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvrag_integrations.engine.chunks import cache_layers
+from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.engine.layers import PromptKV
+from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
+
+
+class FullPrefill(Strategy):
+    """Prefill every prompt token with the model's own forward: no reuse.
+
+    This is the baseline every speedup is measured against and the reference
+    every exactness test compares to.
+    """
+
+    name = "full"
+    uses_chunk_caches = False
+
+    @torch.no_grad()
+    def prefill(
+        self, lm: Any, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]
+    ) -> PrefillOutput:
+        ids = prompt.input_ids.to(lm.device)
+        out = lm(input_ids=ids.unsqueeze(0), use_cache=True, logits_to_keep=1)
+        layers = cache_layers(out.past_key_values)
+        kv = PromptKV(
+            keys=torch.stack([k[0] for k, _ in layers]),
+            values=torch.stack([v[0] for _, v in layers]),
+            positions=torch.arange(ids.numel(), device=lm.device),
+            input_ids=ids,
+        )
+        return PrefillOutput(kv, out.logits[0, -1].float(), 0, 0, ids.numel())

@@ -1,0 +1,40 @@
+"""Typed errors raised by kvrag_integrations.
+
+Every error derives from :class:`KVRAGError`; errors about bad arguments also
+derive from :class:`ValueError` so that callers who catch ``ValueError`` keep
+working.
+"""
+
+from __future__ import annotations
+
+
+class KVRAGError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class UnsupportedModelError(KVRAGError, ValueError):
+    """The model lacks a part that KV reuse needs (named in the message)."""
+
+
+class UnknownStrategyError(KVRAGError, ValueError):
+    """A strategy name that no registered strategy answers to."""
+
+
+class InvalidChunkError(KVRAGError, ValueError):
+    """A chunk that cannot be cached: not a string, empty or whitespace only."""
+
+
+class ContextWindowExceededError(KVRAGError, ValueError):
+    """The prompt plus the tokens to generate do not fit the model's context."""
+
+
+class CacheEntryError(KVRAGError):
+    """A stored cache entry that must not be used: corrupt, truncated or foreign.
+
+    Stores raise it internally and turn it into a miss; it reaches users only
+    from explicit verification calls.
+    """
+
+
+class StoreWriteError(KVRAGError, OSError):
+    """A store could not write an entry (disk full, read-only directory, ...)."""
