@@ -55,12 +55,28 @@ class PrefillResult:
     output: PrefillOutput
     prompt: TokenizedPrompt
     strategy: str
-    lazily_encoded_chunks: int
+    lazy_keys: set[str]
+    fingerprint: str
     prefill_s: float
 
     @property
     def logits(self) -> torch.Tensor:
         return self.output.logits
+
+    @property
+    def lazily_encoded_chunks(self) -> int:
+        return len(self.lazy_keys)
+
+    def token_counts(self) -> tuple[int, int, int]:
+        """``(reused, recomputed, prefilled)``; lazily encoded chunks count as prefilled."""
+        lazy = torch.zeros(self.prompt.num_tokens, dtype=torch.bool)
+        start = 0
+        for piece in self.prompt.pieces:
+            n = piece.ids.numel()
+            if piece.is_chunk and cache_key(self.fingerprint, piece.ids) in self.lazy_keys:
+                lazy[start : start + n] = True
+            start += n
+        return self.output.token_counts(lazy)
 
 
 class GenerationStream:
@@ -208,8 +224,11 @@ class KVRAGEngine:
                 bar.update(len(batch))
         return done
 
-    def _chunk_caches(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], int]:
-        """Stored caches of the prompt's chunks; missing ones are encoded and stored."""
+    def _chunk_caches(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
+        """Stored caches of the prompt's chunks; missing ones are encoded and stored.
+
+        Returns the caches in chunk order and the keys that were encoded here.
+        """
         found: dict[str, ChunkKV] = {}
         missing: dict[str, torch.Tensor] = {}
         keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
@@ -224,7 +243,7 @@ class KVRAGEngine:
         if missing:
             found.update(self._encode_and_store(list(missing.values()), 8, False))
         dtype, device = self.loaded.dtype, self.device
-        return [found[k].to(device, dtype) for k in keys], len(missing)
+        return [found[k].to(device, dtype) for k in keys], set(missing)
 
     # ------------------------------------------------------------- prompts
     def build_segments(
@@ -305,10 +324,11 @@ class KVRAGEngine:
         if prompt.num_tokens == 0:
             raise ValueError("the prompt is empty")
         self._check_fits(prompt.num_tokens, "the prompt", max_new_tokens)
-        kvs, lazy = self._chunk_caches(prompt) if strat.uses_chunk_caches else ([], 0)
+        kvs, lazy = self._chunk_caches(prompt) if strat.uses_chunk_caches else ([], set())
         with self._lock:
             output = strat.prefill(self.model, prompt, kvs)
-        return PrefillResult(output, prompt, strat.name, lazy, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        return PrefillResult(output, prompt, strat.name, lazy, self.fingerprint, elapsed)
 
     # ------------------------------------------------------------- generate
     def stream(
@@ -357,12 +377,13 @@ class KVRAGEngine:
             **strategy_options,
         )
         out = pre.output
+        reused, recomputed, prefilled = pre.token_counts()
         result = GenerationResult(
             strategy=pre.strategy,
             prompt_tokens=pre.prompt.num_tokens,
-            reused_tokens=out.reused_tokens,
-            recomputed_tokens=out.recomputed_tokens,
-            prefilled_tokens=out.prefilled_tokens,
+            reused_tokens=reused,
+            recomputed_tokens=recomputed,
+            prefilled_tokens=prefilled,
             first_token_logits=out.logits,
             lazily_encoded_chunks=pre.lazily_encoded_chunks,
         )

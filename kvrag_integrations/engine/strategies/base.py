@@ -21,16 +21,28 @@ class PrefillOutput:
     Attributes:
         kv: the prompt cache in sequence order, with each token's RoPE position.
         logits: float32 ``[vocab]`` logits of the last prompt token.
-        reused_tokens: cached chunk tokens whose K/V were used as stored.
-        recomputed_tokens: cached chunk tokens computed again (CacheBlend).
-        prefilled_tokens: prompt tokens computed from scratch (not chunk tokens).
+        chunk_mask: bool ``[tokens]``, True for tokens of cached chunks.
+        reused_mask: bool ``[tokens]``, True where the stored K/V were used as is.
     """
 
     kv: PromptKV
     logits: torch.Tensor
-    reused_tokens: int
-    recomputed_tokens: int
-    prefilled_tokens: int
+    chunk_mask: torch.Tensor
+    reused_mask: torch.Tensor
+
+    def token_counts(self, lazy_mask: torch.Tensor | None = None) -> tuple[int, int, int]:
+        """``(reused, recomputed, prefilled)`` prompt tokens; they sum to the prompt length.
+
+        Args:
+            lazy_mask: tokens of chunks encoded during this request (a lazy fill):
+                computed here, so they count as prefilled, not reused.
+        """
+        reused = self.reused_mask
+        if lazy_mask is not None:
+            reused = reused & ~lazy_mask.to(reused.device)
+        recomputed = self.chunk_mask & ~self.reused_mask
+        prefilled = ~(reused | recomputed)
+        return int(reused.sum()), int(recomputed.sum()), int(prefilled.sum())
 
 
 class Strategy(ABC):

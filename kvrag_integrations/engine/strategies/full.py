@@ -37,4 +37,5 @@ class FullPrefill(Strategy):
             positions=torch.arange(ids.numel(), device=lm.device),
             input_ids=ids,
         )
-        return PrefillOutput(kv, out.logits[0, -1].float(), 0, 0, ids.numel())
+        none = torch.zeros(ids.numel(), dtype=torch.bool, device=lm.device)
+        return PrefillOutput(kv, out.logits[0, -1].float(), none, none)

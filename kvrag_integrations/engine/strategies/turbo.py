@@ -70,6 +70,17 @@ def with_last(idx: torch.Tensor, total: int) -> torch.Tensor:
     return torch.unique(torch.cat([idx, last]))
 
 
+def token_masks(
+    total: int, uncached: torch.Tensor, computed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chunk_mask, reused_mask)`` from the text tokens and the tokens computed."""
+    chunk = torch.ones(total, dtype=torch.bool, device=computed.device)
+    chunk[uncached] = False
+    reused = chunk.clone()
+    reused[computed] = False
+    return chunk, reused
+
+
 class TurboRAG(Strategy):
     """Concatenate chunk caches, then prefill only the text around them.
 
@@ -90,7 +101,4 @@ class TurboRAG(Strategy):
         kv, uncached = assemble(lm, prompt, chunk_kvs, self.positions)
         todo = with_last(uncached, kv.num_tokens)
         logits, computed = run_layers(lm, kv, todo)
-        prefilled = uncached.numel()
-        recomputed = computed.numel() - prefilled  # the last token when it is a chunk's
-        reused = kv.num_tokens - computed.numel()
-        return PrefillOutput(kv, logits, reused, recomputed, prefilled)
+        return PrefillOutput(kv, logits, *token_masks(kv.num_tokens, uncached, computed))

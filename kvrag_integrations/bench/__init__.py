@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m kvrag_integrations.bench <suite>`` (see ``__main__``)."""

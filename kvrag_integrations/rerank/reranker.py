@@ -1,0 +1,406 @@
+"""A decoder-only reranker that reuses each document's KV cache (HyperRAG).
+
+Relevance is ``log P("yes") - log P("no")`` for the token after a judging prompt
+laid out ``[instruction][document][query + "Answer Yes or No"]``. The instruction
+and the document come first, so their KV cache is an exact prefix of every prompt
+that judges this document: it is encoded once (positions ``0..P-1``), stored, and
+for each query only the suffix (``P..P+S-1``) runs through the model. Scores with
+reuse equal scores without it up to float rounding.
+
+Candidates are scored in batches with a static padded layout: each row's prefix
+cache is padded on the right to the batch's longest prefix ``Pmax`` (zero K/V),
+the suffixes follow at columns ``Pmax..`` left-padded so that every row's last real
+token sits in the last column (one logit row per candidate is all the LM head
+computes), and an explicit 4D mask hides the padding while each row keeps its own
+RoPE positions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvrag_integrations.engine.chunks import encode_chunk_batch
+from kvrag_integrations.engine.kv import ChunkKV, cache_key
+from kvrag_integrations.engine.segments import tokenize_text
+from kvrag_integrations.errors import UnsupportedModelError
+from kvrag_integrations.rerank.templates import RerankTemplate, get_template
+from kvrag_integrations.store import KVStore
+
+YES_VARIANTS = ("yes", " yes", "Yes", " Yes", "YES", " YES")
+NO_VARIANTS = ("no", " no", "No", " No", "NO", " NO")
+
+_KEEP = object()  # "use the reranker's own top_n"
+
+
+@dataclass
+class RerankStats:
+    """Running counters of a reranker (read ``reranker.stats``)."""
+
+    candidates: int = 0  # documents asked to score (duplicates and empty ones included)
+    scored: int = 0  # distinct non-empty documents scored by the model
+    prefixes_reused: int = 0  # prefix caches found in the store
+    prefixes_encoded: int = 0  # prefix caches computed and stored
+    forward_s: float = 0.0  # seconds in model forwards (encoding included)
+
+
+def answer_token_ids(tokenizer: Any, variants: Sequence[str]) -> list[int]:
+    """The ids of the ``variants`` that are a single token, deduplicated.
+
+    Example:
+        >>> class Tok:
+        ...     def __call__(self, text, add_special_tokens=False):
+        ...         return {"input_ids": [len(text)] if text.strip() == text else [0, 1]}
+        >>> answer_token_ids(Tok(), ["yes", " yes", "Yes"])
+        [3]
+    """
+    ids: list[int] = []
+    for word in variants:
+        tok = tokenizer(word, add_special_tokens=False)["input_ids"]
+        if len(tok) == 1 and tok[0] not in ids:
+            ids.append(int(tok[0]))
+    return ids
+
+
+def _check_top_n(top_n: Any) -> int | None:
+    if top_n is None:
+        return None
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
+        raise ValueError(f"top_n must be a positive int or None, got {top_n!r}")
+    return top_n
+
+
+class KVReranker:
+    """Scores documents against a query with a decoder LM, reusing document caches.
+
+    Args:
+        engine: a ``KVRAGEngine`` (its model, tokenizer, lock and store are used).
+        top_n: how many ``(index, score)`` pairs ``rerank`` returns (None: all).
+        template: a preset name (``"default"``, ``"qwen3-reranker"``,
+            ``"bge-gemma"``) or a ``RerankTemplate``.
+        store: where prefix caches live (default: ``engine.store``). Their keys
+            live in their own space, so sharing the engine's store is safe.
+        batch_size: candidates per forward.
+
+    Example:
+        >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
+        >>> reranker = KVReranker(engine, top_n=1)  # doctest: +SKIP
+        >>> reranker.rerank("Capital of Australia?", ["Pasta is Italian.",
+        ...                 "Canberra is the capital of Australia."])  # doctest: +SKIP
+        [(1, 2.7...)]
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        top_n: int | None = None,
+        template: str | RerankTemplate | None = None,
+        store: KVStore | None = None,
+        batch_size: int = 16,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.engine = engine
+        self.top_n = _check_top_n(top_n)
+        self.template = get_template(template)
+        self.store: KVStore = store if store is not None else engine.store
+        self.batch_size = batch_size
+        self.stats = RerankStats()
+        tok = engine.tokenizer
+        parts = self.template.render(tok)
+        # A trailing space before the document is handed to the document's own
+        # text: byte-level BPE tokenizers glue a space to the next word, so this
+        # keeps the document's tokens what they are in running text.
+        self._doc_lead = " " if parts.before_document.endswith(" ") else ""
+        head = parts.before_document[: len(parts.before_document) - len(self._doc_lead)]
+        self._head_ids = tokenize_text(tok, head)
+        self._before_query = parts.before_query
+        self._after_query = parts.after_query
+        self._yes_ids = answer_token_ids(tok, YES_VARIANTS)
+        self._no_ids = answer_token_ids(tok, NO_VARIANTS)
+        if not self._yes_ids or not self._no_ids:
+            raise UnsupportedModelError("the tokenizer has no single-token 'yes' and 'no'")
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        *,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = None,
+        store: KVStore | None = None,
+        top_n: int | None = None,
+        template: str | RerankTemplate | None = None,
+        batch_size: int = 16,
+    ) -> KVReranker:
+        """Load a model for reranking (None: the bundled SmolLM2-135M-Instruct).
+
+        Example:
+            >>> reranker = KVReranker.from_pretrained(top_n=3)  # doctest: +SKIP
+        """
+        from kvrag_integrations.engine.engine import KVRAGEngine
+
+        engine = KVRAGEngine.from_pretrained(model, device=device, dtype=dtype, store=store)
+        return cls(engine, top_n=top_n, template=template, batch_size=batch_size)
+
+    # ------------------------------------------------------------------ keys
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of prefix caches: the model's plus ``|rerank|<template>``."""
+        return f"{self.engine.fingerprint}|rerank|{self.template.name}"
+
+    def prefix_ids(self, document: str) -> torch.Tensor:
+        """Token ids of ``[instruction][document]``: each part tokenized alone."""
+        doc = tokenize_text(self.engine.tokenizer, self._doc_lead + document)
+        return torch.cat([self._head_ids, doc])
+
+    def suffix_ids(self, query: str) -> torch.Tensor:
+        """Token ids of everything after the document (never cached)."""
+        text = f"{self._before_query}{query}{self._after_query}"
+        return tokenize_text(self.engine.tokenizer, text)
+
+    def prefix_key(self, document: str) -> str:
+        """The store key of ``document``'s prefix cache."""
+        return cache_key(self.fingerprint, self.prefix_ids(document))
+
+    # ------------------------------------------------------------ public API
+    def encode_documents(self, documents: Sequence[str]) -> int:
+        """Precompute and store prefix caches (e.g. at ingestion); returns how many were new.
+
+        Empty documents are skipped: they are never scored by the model.
+        """
+        docs = self._check_documents(documents)
+        unique = list(dict.fromkeys(d for d in docs if d.strip()))
+        before = self.stats.prefixes_encoded
+        self._prefix_caches([self.prefix_ids(d) for d in unique])
+        return self.stats.prefixes_encoded - before
+
+    def score(self, query: str, documents: Sequence[str], *, reuse: bool = True) -> list[float]:
+        """Relevance scores ``log P(yes) - log P(no)``, in input order.
+
+        Args:
+            query: the question.
+            documents: candidate texts.
+            reuse: use (and fill) the stored prefix caches; False runs the plain
+                full forward of every prompt (the reference).
+
+        Returns:
+            One float per document. An empty or whitespace-only document scores
+            ``-inf`` without running the model; duplicates are scored once.
+
+        Example:
+            >>> reranker.score("Capital of Australia?", ["Canberra is."])  # doctest: +SKIP
+            [1.93...]
+        """
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a str, got {type(query).__name__}")
+        if not query.strip():
+            raise ValueError("query must contain non-whitespace text")
+        docs = self._check_documents(documents)
+        self.stats.candidates += len(docs)
+        scores = [-math.inf] * len(docs)
+        where: dict[str, list[int]] = {}
+        for i, doc in enumerate(docs):
+            if doc.strip():
+                where.setdefault(doc, []).append(i)
+        if not where:
+            return scores
+        prefixes = [self.prefix_ids(d) for d in where]
+        suffix = self.suffix_ids(query)
+        self._check_fits(max(p.numel() for p in prefixes) + suffix.numel())
+        if reuse:
+            values = self._score_cached(self._prefix_caches(prefixes), suffix)
+        else:
+            values = self._score_full(prefixes, suffix)
+        self.stats.scored += len(values)
+        for indices, value in zip(where.values(), values, strict=True):
+            for i in indices:
+                scores[i] = value
+        return scores
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: Any = _KEEP,
+        reuse: bool = True,
+    ) -> list[tuple[int, float]]:
+        """``(index, score)`` pairs, best first, cut to ``top_n``.
+
+        Ties keep input order; empty documents (``-inf``) come last.
+
+        Example:
+            >>> reranker.rerank("Capital of Australia?", docs, top_n=2)  # doctest: +SKIP
+            [(3, 2.1...), (0, -1.4...)]
+        """
+        limit = self.top_n if top_n is _KEEP else _check_top_n(top_n)
+        scores = self.score(query, documents, reuse=reuse)
+        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+        return [(i, scores[i]) for i in order[:limit]]
+
+    # ------------------------------------------------------------- internals
+    @staticmethod
+    def _check_documents(documents: Sequence[str]) -> list[str]:
+        if isinstance(documents, str):
+            raise TypeError("documents must be a list of strings, not one string")
+        docs = list(documents)
+        for i, doc in enumerate(docs):
+            if not isinstance(doc, str):
+                raise TypeError(f"documents[{i}] must be a str, got {type(doc).__name__}")
+        return docs
+
+    def _check_fits(self, n_tokens: int) -> None:
+        self.engine._check_fits(n_tokens, "a rerank prompt")
+        config = self.engine.model.config
+        window = getattr(config, "sliding_window", None)
+        # Our explicit 4D mask is full attention; a sliding-window layer would see
+        # more than it was trained to, so refuse instead of scoring silently wrong.
+        if window and getattr(config, "use_sliding_window", True) and n_tokens > window:
+            raise UnsupportedModelError(
+                f"a rerank prompt of {n_tokens} tokens exceeds the sliding window ({window})"
+            )
+
+    def _prefix_caches(self, prefixes: list[torch.Tensor]) -> list[ChunkKV]:
+        """Stored prefix caches, in order; missing ones are encoded (batched) and stored."""
+        fp = self.fingerprint
+        keys = [cache_key(fp, ids) for ids in prefixes]
+        found: dict[str, ChunkKV] = {}
+        missing: dict[str, torch.Tensor] = {}
+        for key, ids in zip(keys, prefixes, strict=True):
+            if key in found or key in missing:
+                continue
+            kv = self.store.get(key, fp)
+            if kv is None:
+                missing[key] = ids
+            else:
+                found[key] = kv
+        self.stats.prefixes_reused += len(found)
+        todo = sorted(missing.values(), key=len, reverse=True)  # similar lengths pad less
+        pad_id = int(self.engine.tokenizer.pad_token_id)
+        for start in range(0, len(todo), self.batch_size):
+            batch = todo[start : start + self.batch_size]
+            started = time.perf_counter()
+            with self.engine._lock:
+                kvs = encode_chunk_batch(self.engine.model, batch, fp, pad_id)
+            self.stats.forward_s += time.perf_counter() - started
+            for kv in kvs:
+                self.store.put(kv)
+                found[kv.key] = kv
+        self.stats.prefixes_encoded += len(missing)
+        device, dtype = self.engine.device, self.engine.loaded.dtype
+        return [found[k].to(device, dtype) for k in keys]
+
+    def _score_cached(self, kvs: list[ChunkKV], suffix: torch.Tensor) -> list[float]:
+        """Scores with each prefix from its cache and only the suffix computed."""
+        out = [0.0] * len(kvs)
+        # Longest first, so rows of one batch have similar prefix lengths.
+        order = sorted(range(len(kvs)), key=lambda i: -kvs[i].num_tokens)
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            batch = [kvs[i] for i in rows]
+            scores = self._forward([suffix] * len(rows), [kv.num_tokens for kv in batch], batch)
+            for i, value in zip(rows, scores, strict=True):
+                out[i] = value
+        return out
+
+    def _score_full(self, prefixes: list[torch.Tensor], suffix: torch.Tensor) -> list[float]:
+        """Scores by a plain forward of ``prefix + suffix`` ids (the reference)."""
+        out = [0.0] * len(prefixes)
+        order = sorted(range(len(prefixes)), key=lambda i: -prefixes[i].numel())
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            ids = [torch.cat([prefixes[i], suffix]) for i in rows]
+            for i, value in zip(rows, self._forward(ids, [0] * len(rows), None), strict=True):
+                out[i] = value
+        return out
+
+    @torch.no_grad()
+    def _forward(
+        self,
+        ids: list[torch.Tensor],
+        prefix_lens: list[int],
+        kvs: list[ChunkKV] | None,
+    ) -> list[float]:
+        """One batched forward; returns each row's score at its last token.
+
+        Row ``r`` has ``prefix_lens[r]`` cached tokens (from ``kvs``) at positions
+        ``0..P_r-1`` and computes ``ids[r]`` at positions ``P_r..``.
+        """
+        lm = self.engine.model
+        device = self.engine.device
+        dtype = self.engine.loaded.dtype
+        batch, width = len(ids), max(t.numel() for t in ids)
+        p_max = max(prefix_lens)
+        lens = torch.tensor([t.numel() for t in ids])
+        plen = torch.tensor(prefix_lens)
+        pad_id = int(self.engine.tokenizer.pad_token_id)
+        input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+        col = torch.arange(width)
+        start = width - lens  # first real column of each row (suffixes are left-padded)
+        # Padding columns get position P_r: harmless, nothing real attends to them.
+        positions = plen[:, None] + (col[None, :] - start[:, None]).clamp(min=0)
+        for r, t in enumerate(ids):
+            input_ids[r, width - t.numel() :] = t
+        padded = bool((lens != width).any() or (plen != p_max).any())
+        mask = None
+        if padded:
+            # Key column k < Pmax is cached slot k; k >= Pmax is computed column k - Pmax.
+            key = torch.arange(p_max + width)
+            comp = key - p_max
+            seen = key[None, None, :] < plen[:, None, None]  # real cached tokens
+            seen = seen | (
+                (comp[None, None, :] >= start[:, None, None])
+                & (comp[None, None, :] <= col[None, :, None])
+            )
+            # A padding column also sees itself so that no row is fully masked.
+            seen = seen | (comp[None, None, :] == col[None, :, None])
+            mask = torch.zeros(seen.shape, dtype=dtype)
+            mask.masked_fill_(~seen, torch.finfo(dtype).min)
+            mask = mask[:, None].to(device)
+        cache = self._batch_cache(kvs, p_max) if kvs is not None else None
+        started = time.perf_counter()
+        with self.engine._lock:
+            out = lm(
+                input_ids=input_ids.to(device),
+                position_ids=positions.to(device),
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                logits_to_keep=1,
+            )
+        self.stats.forward_s += time.perf_counter() - started
+        logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+        yes = torch.logsumexp(logp[:, self._yes_ids], dim=-1)
+        no = torch.logsumexp(logp[:, self._no_ids], dim=-1)
+        return (yes - no).cpu().tolist()
+
+    def _batch_cache(self, kvs: list[ChunkKV], p_max: int) -> Any:
+        """A DynamicCache with each row's prefix K/V, right-padded with zeros to ``p_max``."""
+        from transformers import DynamicCache
+
+        first = kvs[0]
+        if all(kv.num_tokens == p_max for kv in kvs):
+            keys = torch.stack([kv.keys for kv in kvs], dim=1)  # [L, B, H, P, D]
+            values = torch.stack([kv.values for kv in kvs], dim=1)
+        else:
+            n_layers, n_heads, _, head_dim = first.keys.shape
+            shape = (n_layers, len(kvs), n_heads, p_max, head_dim)
+            keys = first.keys.new_zeros(shape)
+            values = first.values.new_zeros(shape)
+            for r, kv in enumerate(kvs):
+                keys[:, r, :, : kv.num_tokens] = kv.keys
+                values[:, r, :, : kv.num_tokens] = kv.values
+        cache = DynamicCache()
+        for layer in range(keys.shape[0]):
+            cache.update(keys[layer], values[layer], layer)
+        return cache
+
+
+__all__ = ["NO_VARIANTS", "YES_VARIANTS", "KVReranker", "RerankStats", "answer_token_ids"]

@@ -1,0 +1,172 @@
+"""Judging prompts for the decoder reranker, laid out document first.
+
+HyperRAG (arXiv 2504.02921) puts the document *before* the query so that the
+instruction and the document form a true prefix of every prompt that judges this
+document: its KV cache can be computed once and reused for any query. A template
+is therefore three texts around two slots::
+
+    [prefix][document][middle][query][suffix]
+
+With ``chat=True`` the pieces form the user message of the model's own chat
+template (plus an optional system message and the assistant generation prompt);
+the template is rendered with sentinels in the slots and split at them, so the
+text before the document is exactly what the model would see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_DOC_SENTINEL = "\x00kvrag-rerank-document\x00"
+_QUERY_SENTINEL = "\x00kvrag-rerank-query\x00"
+
+
+@dataclass(frozen=True)
+class RenderedTemplate:
+    """The three literal texts around the document and query slots.
+
+    Attributes:
+        before_document: everything before the document (system turn, instruction).
+        before_query: everything between the document and the query.
+        after_query: everything after the query, ending where the model answers.
+    """
+
+    before_document: str
+    before_query: str
+    after_query: str
+
+
+@dataclass(frozen=True)
+class RerankTemplate:
+    """A judging prompt: ``[prefix][document][middle][query][suffix]``.
+
+    Attributes:
+        name: the template's name; it also names the prefix caches' key space, so
+            change it when you change the wording.
+        prefix: text before the document.
+        middle: text after the document and before the query.
+        suffix: text after the query, including the Yes/No question.
+        chat: wrap ``prefix..suffix`` as the user message of the tokenizer's chat
+            template (with ``system`` as system message and the assistant
+            generation prompt at the end). Without a chat template on the
+            tokenizer, the plain text is used.
+        system: the system message for ``chat=True`` (None: the template's default).
+
+    Example:
+        >>> t = RerankTemplate("plain", "Doc: ", " Query: ", " Relevant (Yes/No)?")
+        >>> t.render(None).before_query
+        ' Query: '
+    """
+
+    name: str
+    prefix: str
+    middle: str
+    suffix: str
+    chat: bool = False
+    system: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("a RerankTemplate needs a non-empty name")
+        for field in ("prefix", "middle", "suffix"):
+            if not isinstance(getattr(self, field), str):
+                raise TypeError(f"RerankTemplate.{field} must be a str")
+
+    def render(self, tokenizer: Any) -> RenderedTemplate:
+        """Render the template for ``tokenizer`` and split it around the two slots.
+
+        Args:
+            tokenizer: a Hugging Face tokenizer (only used when ``chat`` is true).
+
+        Raises:
+            ValueError: the chat template reordered or dropped a slot.
+        """
+        if not self.chat or not getattr(tokenizer, "chat_template", None):
+            lead = f"{self.system}\n\n" if self.chat and self.system else ""
+            return RenderedTemplate(lead + self.prefix, self.middle, self.suffix)
+        content = f"{self.prefix}{_DOC_SENTINEL}{self.middle}{_QUERY_SENTINEL}{self.suffix}"
+        messages = [{"role": "user", "content": content}]
+        if self.system is not None:
+            messages.insert(0, {"role": "system", "content": self.system})
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        head, found_doc, rest = rendered.partition(_DOC_SENTINEL)
+        middle, found_query, tail = rest.partition(_QUERY_SENTINEL)
+        if not (found_doc and found_query) or _DOC_SENTINEL in tail or _QUERY_SENTINEL in tail:
+            raise ValueError(
+                f"the chat template dropped or reordered the slots of template {self.name!r}"
+            )
+        return RenderedTemplate(head, middle, tail)
+
+
+# The default, for instruct chat models. The wording was checked on
+# SmolLM2-135M-Instruct (tests/test_rerank.py ranks a verbatim answer first).
+# "Document:" ends with a newline, not a space, so that the document's first
+# word keeps the token it has in running text (byte-level BPE glues a leading
+# space to the next word).
+DEFAULT_TEMPLATE = RerankTemplate(
+    name="chat-yes-no-v1",
+    system=(
+        "You judge whether a document is relevant to a query. "
+        'Answer only "Yes" if the document answers the query, otherwise "No".'
+    ),
+    prefix="Document:\n",
+    middle="\n\nQuery:\n",
+    suffix="\n\nDoes the document answer the query? Answer Yes or No.",
+    chat=True,
+)
+
+# Qwen3-Reranker's prompt (written out in ChatML, as its model card does), with
+# the document moved in front of the instruction and query.
+QWEN3_RERANKER_TEMPLATE = RerankTemplate(
+    name="qwen3-reranker-v1",
+    prefix=(
+        "<|im_start|>system\nJudge whether the Document meets the requirements based on "
+        "the Query and the Instruct provided. Note that the answer can only be "
+        '"yes" or "no".<|im_end|>\n<|im_start|>user\n<Document>: '
+    ),
+    middle=(
+        "\n<Instruct>: Given a web search query, retrieve relevant passages that answer "
+        "the query\n<Query>: "
+    ),
+    suffix="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+)
+
+# BAAI bge-reranker-v2-gemma's plain prompt (passage A is already first there).
+BGE_GEMMA_TEMPLATE = RerankTemplate(
+    name="bge-gemma-v1",
+    prefix="A: ",
+    middle="\nB: ",
+    suffix=(
+        "\nPredict whether passage A contains an answer to query B by providing a "
+        "prediction of either 'Yes' or 'No'.\n"
+    ),
+)
+
+TEMPLATES: dict[str, RerankTemplate] = {
+    "default": DEFAULT_TEMPLATE,
+    "qwen3-reranker": QWEN3_RERANKER_TEMPLATE,
+    "bge-gemma": BGE_GEMMA_TEMPLATE,
+}
+
+
+def get_template(template: str | RerankTemplate | None) -> RerankTemplate:
+    """Return a preset by name (``"default"``, ``"qwen3-reranker"``, ``"bge-gemma"``).
+
+    Example:
+        >>> get_template("bge-gemma").name
+        'bge-gemma-v1'
+    """
+    if template is None:
+        return DEFAULT_TEMPLATE
+    if isinstance(template, RerankTemplate):
+        return template
+    try:
+        return TEMPLATES[template]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown rerank template {template!r}; use one of {sorted(TEMPLATES)} "
+            "or a RerankTemplate"
+        ) from None

@@ -1,0 +1,260 @@
+"""The engine against the full-prefill reference, with the real default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag_integrations import (
+    Chunk,
+    ContextWindowExceededError,
+    DiskKVStore,
+    InvalidChunkError,
+    KVRAGEngine,
+    MemoryKVStore,
+    Text,
+    UnknownStrategyError,
+    UnsupportedModelError,
+    cache_key,
+)
+from kvrag_integrations.engine.model import check_supported
+from kvrag_integrations.engine.rope import shift_keys
+
+TOWER = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. "
+    "It was designed by the company of the engineer Gustave Eiffel and completed in 1889."
+)
+REEF = (
+    "The Great Barrier Reef, off the coast of Queensland in Australia, is the world's "
+    "largest coral reef system, made of almost 3,000 individual reefs."
+)
+QUESTION = "In which year was the Eiffel Tower completed?"
+
+
+def first_logits(engine: KVRAGEngine, segments, strategy: str, **kw) -> torch.Tensor:
+    return engine.prefill(segments, strategy=strategy, chat_template=False, **kw).logits
+
+
+def test_rope_shift_matches_encoding_at_offset(engine: KVRAGEngine) -> None:
+    """A chunk encoded at offset p equals the chunk encoded at 0 moved by p, every layer."""
+    ids = engine.tokenize([Chunk(TOWER)]).input_ids.unsqueeze(0)
+    inv_freq = engine.model.model.rotary_emb.inv_freq
+    at_zero = engine.model.model(input_ids=ids, use_cache=True).past_key_values
+    for p in (7, 300):
+        pos = torch.arange(p, p + ids.shape[1]).unsqueeze(0)
+        at_p = engine.model.model(input_ids=ids, position_ids=pos, use_cache=True).past_key_values
+        for layer0, layer_p in zip(at_zero.layers, at_p.layers):
+            moved = shift_keys(layer0.keys, p, inv_freq)
+            torch.testing.assert_close(moved, layer_p.keys, atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(layer0.values, layer_p.values, atol=2e-4, rtol=1e-4)
+
+
+def test_turbo_with_leading_chunk_equals_full(engine: KVRAGEngine) -> None:
+    """[Chunk, Text] is exact by construction: same first-token logits and greedy answer."""
+    segments = [Chunk(TOWER), Text(f"\nQuestion: {QUESTION}\nAnswer:")]
+    full = first_logits(engine, segments, "full")
+    turbo = first_logits(engine, segments, "turbo")
+    torch.testing.assert_close(turbo, full, atol=1e-3, rtol=1e-4)
+    kw = dict(segments=segments, chat_template=False, max_new_tokens=12)
+    assert engine.generate(strategy="turbo", **kw).text == engine.generate(strategy="full", **kw).text
+
+
+def test_turbo_differs_from_full_when_text_precedes_chunk(engine: KVRAGEngine) -> None:
+    """The chunk never saw the text before it: that is the method, so logits differ."""
+    segments = [Text("Context:\n"), Chunk(TOWER), Text(f"\nQuestion: {QUESTION}\nAnswer:")]
+    full = first_logits(engine, segments, "full")
+    turbo = first_logits(engine, segments, "turbo")
+    assert (full - turbo).abs().max() > 1e-2
+
+
+def test_turbo_reuses_chunk_tokens_and_reports_counts(engine: KVRAGEngine) -> None:
+    engine.encode_chunks([TOWER, REEF], show_progress=False)
+    result = engine.generate(question=QUESTION, chunks=[TOWER, REEF], max_new_tokens=8)
+    chunk_tokens = sum(engine.tokenize([Chunk(c)]).num_tokens for c in (TOWER, REEF))
+    assert result.strategy == "turbo"
+    assert result.reused_tokens == chunk_tokens
+    assert result.recomputed_tokens == 0
+    assert result.prefilled_tokens == result.prompt_tokens - chunk_tokens
+    assert result.lazily_encoded_chunks == 0
+    assert 0 < result.ttft_s <= result.total_s
+    assert result.generated_tokens == len(result.token_ids) > 0
+    full = engine.generate(question=QUESTION, chunks=[TOWER, REEF], strategy="full")
+    assert full.reused_tokens == 0 and full.prefilled_tokens == full.prompt_tokens
+
+
+def test_turbo_reordered_keeps_the_cache_consistent_with_positions(engine: KVRAGEngine) -> None:
+    """Assembled keys equal each chunk's stored keys moved to the chunk's start."""
+    pre = engine.prefill(question=QUESTION, chunks=[TOWER, REEF], strategy="turbo")
+    kv, inv_freq = pre.output.kv, engine.model.model.rotary_emb.inv_freq
+    start = 0
+    for piece in pre.prompt.pieces:
+        n = piece.ids.numel()
+        if piece.is_chunk and start + n < kv.num_tokens:
+            stored = engine.store.get(cache_key(engine.fingerprint, piece.ids), engine.fingerprint)
+            expect = shift_keys(stored.keys, start, inv_freq)
+            torch.testing.assert_close(kv.keys[:, :, start : start + n], expect)
+            assert kv.positions[start].item() == start
+        start += n
+
+
+def test_composite_positions_restart_each_chunk_at_zero(engine: KVRAGEngine) -> None:
+    pre = engine.prefill(
+        question=QUESTION, chunks=[TOWER, REEF], strategy="turbo", positions="composite"
+    )
+    starts = [0]
+    for piece in pre.prompt.pieces:
+        starts.append(starts[-1] + piece.ids.numel())
+    chunk_starts = [s for s, p in zip(starts, pre.prompt.pieces) if p.is_chunk]
+    assert [pre.output.kv.positions[s].item() for s in chunk_starts] == [0, 0]
+    result = engine.generate(
+        question=QUESTION, chunks=[TOWER, REEF], positions="composite", max_new_tokens=4
+    )
+    assert result.text
+
+
+def test_lazy_fill_counts_as_not_reused(engine: KVRAGEngine) -> None:
+    fresh = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    first = fresh.generate(question=QUESTION, chunks=[TOWER], max_new_tokens=2)
+    assert first.lazily_encoded_chunks == 1
+    assert first.reused_tokens == 0
+    assert first.recomputed_tokens + first.prefilled_tokens == first.prompt_tokens
+    second = fresh.generate(question=QUESTION, chunks=[TOWER], max_new_tokens=2)
+    assert second.lazily_encoded_chunks == 0 and second.reused_tokens > 0
+    torch.testing.assert_close(second.first_token_logits, first.first_token_logits)
+
+
+def test_batched_encoding_equals_encoding_alone(engine: KVRAGEngine) -> None:
+    store = MemoryKVStore()
+    batched = KVRAGEngine(engine.loaded, store=store)
+    refs = batched.encode_chunks([TOWER, REEF, "Short one."], batch_size=3, show_progress=False)
+    alone = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    alone.encode_chunks([REEF], batch_size=1, show_progress=False)
+    a = store.get(refs[1].key, engine.fingerprint)
+    b = alone.store.get(refs[1].key, engine.fingerprint)
+    torch.testing.assert_close(a.keys, b.keys, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(a.values, b.values, atol=2e-4, rtol=1e-4)
+    assert refs[1].num_tokens == a.num_tokens
+
+
+def test_encode_chunks_is_idempotent(engine: KVRAGEngine) -> None:
+    store = MemoryKVStore()
+    e = KVRAGEngine(engine.loaded, store=store)
+    e.encode_chunks([TOWER, TOWER], show_progress=False)
+    assert store.stats.writes == 1
+    e.encode_chunks([TOWER], show_progress=False)
+    assert store.stats.writes == 1
+
+
+def test_disk_store_survives_a_new_engine_and_rejects_corruption(engine, tmp_path) -> None:
+    e = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path))
+    (ref,) = e.encode_chunks([TOWER], show_progress=False)
+    good = e.generate(question=QUESTION, chunks=[TOWER], max_new_tokens=1)
+    path = next(tmp_path.rglob(f"{ref.key}.safetensors"))
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    again = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path))
+    result = again.generate(question=QUESTION, chunks=[TOWER], max_new_tokens=1)
+    assert result.lazily_encoded_chunks == 1  # the corrupt entry was a miss
+    assert again.store.stats.rejected == 1
+    torch.testing.assert_close(result.first_token_logits, good.first_token_logits)
+    assert again.store.get(ref.key, engine.fingerprint) is not None  # overwritten
+
+
+def test_foreign_fingerprint_entry_is_never_used(engine: KVRAGEngine) -> None:
+    store = MemoryKVStore()
+    e = KVRAGEngine(engine.loaded, store=store)
+    (ref,) = e.encode_chunks([TOWER], show_progress=False)
+    assert store.get(ref.key, "another-model") is None
+    assert store.stats.rejected == 1
+
+
+def test_empty_chunk_list_answers_the_plain_question(engine: KVRAGEngine) -> None:
+    result = engine.generate(question="What is 2 + 2?", chunks=[], max_new_tokens=6)
+    assert result.reused_tokens == 0 and result.prefilled_tokens == result.prompt_tokens
+    assert result.text
+
+
+@pytest.mark.parametrize("bad", ["", "   \n\t", None, 42])
+def test_bad_chunks_raise_typed_errors(engine: KVRAGEngine, bad) -> None:
+    with pytest.raises(InvalidChunkError):
+        engine.encode_chunks([bad], show_progress=False)
+    with pytest.raises(InvalidChunkError):
+        engine.generate(question=QUESTION, chunks=[bad], max_new_tokens=1)
+
+
+def test_one_string_instead_of_a_list_is_refused(engine: KVRAGEngine) -> None:
+    with pytest.raises(TypeError):
+        engine.encode_chunks(TOWER, show_progress=False)
+    with pytest.raises(TypeError):
+        engine.generate(question=QUESTION, chunks=TOWER)
+
+
+def test_prompt_over_the_context_window(engine: KVRAGEngine) -> None:
+    huge = "word " * (engine.context_window + 10)
+    with pytest.raises(ContextWindowExceededError):
+        engine.generate(question=huge, max_new_tokens=1)
+    with pytest.raises(ContextWindowExceededError):
+        engine.encode_chunks([huge], show_progress=False)
+
+
+def test_unknown_strategy(engine: KVRAGEngine) -> None:
+    with pytest.raises(UnknownStrategyError, match="turbo"):
+        engine.generate(question=QUESTION, strategy="warp")
+
+
+def test_bad_positions_option(engine: KVRAGEngine) -> None:
+    with pytest.raises(ValueError, match="positions"):
+        engine.generate(question=QUESTION, chunks=[TOWER], positions="sideways")
+
+
+def test_unsupported_architecture_is_named() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tiny = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=10))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        check_supported(tiny)
+
+
+def test_dynamic_rope_is_refused() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        check_supported(LlamaForCausalLM(config))
+
+
+def test_stop_strings_and_streaming(engine: KVRAGEngine) -> None:
+    kw = dict(question=QUESTION, chunks=[TOWER], max_new_tokens=24)
+    plain = engine.generate(**kw)
+    assert plain.text
+    word = plain.text.split()[1]
+    stopped = engine.generate(stop=[word], **kw)
+    assert word not in stopped.text and stopped.finish_reason == "stop"
+    assert plain.text.startswith(stopped.text)
+    stream = engine.stream(**kw)
+    pieces = list(stream)
+    assert len(pieces) > 1 and "".join(pieces) == plain.text == stream.result.text
+
+
+def test_sampling_is_seeded_and_max_tokens_bounds_length(engine: KVRAGEngine) -> None:
+    kw = dict(question=QUESTION, chunks=[TOWER], max_new_tokens=10, temperature=1.0, top_p=0.9)
+    a = engine.generate(seed=3, **kw)
+    b = engine.generate(seed=3, **kw)
+    assert a.token_ids == b.token_ids
+    assert a.generated_tokens <= 10
+    short = engine.generate(question=QUESTION, chunks=[TOWER], max_new_tokens=2)
+    assert short.generated_tokens <= 2
+
+
+def test_system_prompt_reaches_the_template(engine: KVRAGEngine) -> None:
+    segs = engine.build_segments(question="Hi?", system_prompt="You are terse.")
+    assert "You are terse." in "".join(getattr(s, "text", "") for s in segs)
