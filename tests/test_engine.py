@@ -56,7 +56,9 @@ def test_turbo_with_leading_chunk_equals_full(engine: KVRAGEngine) -> None:
     turbo = first_logits(engine, segments, "turbo")
     torch.testing.assert_close(turbo, full, atol=1e-3, rtol=1e-4)
     kw = dict(segments=segments, chat_template=False, max_new_tokens=12)
-    assert engine.generate(strategy="turbo", **kw).text == engine.generate(strategy="full", **kw).text
+    assert (
+        engine.generate(strategy="turbo", **kw).text == engine.generate(strategy="full", **kw).text
+    )
 
 
 def test_turbo_differs_from_full_when_text_precedes_chunk(engine: KVRAGEngine) -> None:

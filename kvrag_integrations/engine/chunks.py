@@ -53,5 +53,5 @@ def encode_chunk_batch(
             values=values[:, row, :, :n].contiguous(),
             fingerprint=fingerprint,
         )
-        for row, (ids, n) in enumerate(zip(token_ids, lengths, strict=False))
+        for row, (ids, n) in enumerate(zip(token_ids, lengths))
     ]

@@ -197,11 +197,11 @@ class KVRAGEngine:
         self._check_fits(max((len(i) for i in ids), default=0), "a chunk")
         keys = [cache_key(self.fingerprint, i) for i in ids]
         todo = {}
-        for key, tok in zip(keys, ids, strict=False):
+        for key, tok in zip(keys, ids):
             if key not in todo and (overwrite or not self.store.contains(key)):
                 todo[key] = tok
         self._encode_and_store(list(todo.values()), batch_size, show_progress)
-        return [ChunkRef(k, len(i)) for k, i in zip(keys, ids, strict=False)]
+        return [ChunkRef(k, len(i)) for k, i in zip(keys, ids)]
 
     def _encode_and_store(
         self, ids: list[torch.Tensor], batch_size: int, show_progress: bool
@@ -232,7 +232,7 @@ class KVRAGEngine:
         found: dict[str, ChunkKV] = {}
         missing: dict[str, torch.Tensor] = {}
         keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
-        for key, piece in zip(keys, prompt.chunk_pieces, strict=False):
+        for key, piece in zip(keys, prompt.chunk_pieces):
             if key in found or key in missing:
                 continue
             kv = self.store.get(key, self.fingerprint)

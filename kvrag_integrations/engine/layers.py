@@ -108,7 +108,8 @@ def run_layers(
     inner = lm.model
     device = kv.keys.device
     total = kv.num_tokens
-    idx = torch.arange(total, device=device) if full_layers > 0 else compute_idx.to(device)
+    widen = full_layers > 0 or selector is not None
+    idx = torch.arange(total, device=device) if widen else compute_idx.to(device)
     hidden = inner.embed_tokens(kv.input_ids.to(device)[idx]).unsqueeze(0)
     for layer_no, layer in enumerate(inner.layers):
         attn = layer.self_attn

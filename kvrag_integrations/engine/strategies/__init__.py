@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
+from kvrag_integrations.engine.strategies.blend import CacheBlend
 from kvrag_integrations.engine.strategies.full import FullPrefill
 from kvrag_integrations.engine.strategies.turbo import TurboRAG
 from kvrag_integrations.errors import UnknownStrategyError
@@ -17,6 +18,7 @@ from kvrag_integrations.errors import UnknownStrategyError
 STRATEGIES: dict[str, type[Strategy]] = {
     FullPrefill.name: FullPrefill,
     TurboRAG.name: TurboRAG,
+    CacheBlend.name: CacheBlend,
 }
 
 
@@ -39,4 +41,12 @@ def make_strategy(strategy: str | Strategy, **options: Any) -> Strategy:
     return cls(**options)
 
 
-__all__ = ["STRATEGIES", "FullPrefill", "PrefillOutput", "Strategy", "TurboRAG", "make_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "CacheBlend",
+    "FullPrefill",
+    "PrefillOutput",
+    "Strategy",
+    "TurboRAG",
+    "make_strategy",
+]

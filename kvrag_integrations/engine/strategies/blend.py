@@ -1,0 +1,137 @@
+"""CacheBlend (arXiv 2405.16444): reuse chunk caches, recompute the tokens that deviate.
+
+Layout as for turbo. The first ``check_layer`` layers run every token (layer 0's
+K/V depend only on token and position, so this costs no fidelity and gives every
+token a context-aware input to the check layer). At the check layer the fresh
+K/V of each cached token are compared with its stored ones; the
+``recompute_ratio`` share with the largest squared-L2 deviation (plus every
+uncached token) keeps going through the remaining layers, writing fresh K/V
+over the stored entries. Everything else is reused as stored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.engine.layers import PromptKV, run_layers
+from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
+from kvrag_integrations.engine.strategies.turbo import (
+    POSITION_MODES,
+    assemble,
+    token_masks,
+    with_last,
+)
+
+DEVIATIONS = ("value", "key", "both")
+
+
+class CacheBlend(Strategy):
+    """Selective KV recompute on top of reused chunk caches.
+
+    Args:
+        recompute_ratio: share of cached chunk tokens to recompute, in [0, 1]
+            (0 reproduces turbo, 1 reproduces full prefill).
+        check_layer: the layer where deviations are measured (>= 1 keeps
+            ``recompute_ratio=0`` equal to turbo; 0 selects on layer-0 K/V).
+        deviation: ``"value"`` (the CacheBlend reference), ``"key"`` (LMCache), or
+            ``"both"``.
+        recompute_first: also recompute the first N tokens of every chunk (EPIC's
+            answer to each chunk's spurious attention sink).
+        positions: ``"reordered"`` or ``"composite"``, as for turbo.
+
+    Example:
+        >>> CacheBlend(recompute_ratio=0.15).name
+        'blend'
+    """
+
+    name = "blend"
+
+    def __init__(
+        self,
+        recompute_ratio: float = 0.15,
+        check_layer: int = 1,
+        deviation: str = "value",
+        recompute_first: int = 0,
+        positions: str = "reordered",
+    ) -> None:
+        if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)):
+            raise TypeError("recompute_ratio must be a number in [0, 1]")
+        if not 0.0 <= float(recompute_ratio) <= 1.0 or math.isnan(recompute_ratio):
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+        if not isinstance(check_layer, int) or check_layer < 0:
+            raise ValueError(f"check_layer must be an int >= 0, got {check_layer!r}")
+        if deviation not in DEVIATIONS:
+            raise ValueError(f"deviation must be one of {DEVIATIONS}, got {deviation!r}")
+        if not isinstance(recompute_first, int) or recompute_first < 0:
+            raise ValueError("recompute_first must be an int >= 0")
+        if positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+        self.recompute_ratio = float(recompute_ratio)
+        self.check_layer = check_layer
+        self.deviation = deviation
+        self.recompute_first = recompute_first
+        self.positions = positions
+
+    def prefill(
+        self, lm: Any, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]
+    ) -> PrefillOutput:
+        n_layers = len(lm.model.layers)
+        if self.check_layer >= n_layers:
+            raise ValueError(f"check_layer {self.check_layer} >= the model's {n_layers} layers")
+        kv, uncached = assemble(lm, prompt, chunk_kvs, self.positions)
+        chunk_mask, _ = token_masks(kv.num_tokens, uncached, uncached)
+        forced = self._chunk_starts(prompt, kv) if self.recompute_first else None
+
+        def select(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, idx: torch.Tensor):
+            return self.pick(kv, layer, fresh_k, fresh_v, idx, chunk_mask, forced)
+
+        todo = with_last(uncached, kv.num_tokens)
+        logits, computed = run_layers(lm, kv, todo, full_layers=self.check_layer, selector=select)
+        return PrefillOutput(kv, logits, *token_masks(kv.num_tokens, uncached, computed))
+
+    def pick(
+        self,
+        kv: PromptKV,
+        layer: int,
+        fresh_k: torch.Tensor,
+        fresh_v: torch.Tensor,
+        idx: torch.Tensor,
+        chunk_mask: torch.Tensor,
+        forced: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Keep-mask over ``idx``: the top ``recompute_ratio`` cached tokens by deviation."""
+        cached = chunk_mask[idx]
+        n_keep = round(self.recompute_ratio * int(cached.sum()))
+        keep = torch.zeros_like(cached)
+        if forced is not None:
+            keep |= forced[idx]
+        if n_keep == 0:
+            return keep
+        score = torch.zeros(idx.numel(), device=idx.device)
+        if self.deviation in ("value", "both"):
+            score += _sq_dist(fresh_v, kv.values[layer][:, idx])
+        if self.deviation in ("key", "both"):
+            score += _sq_dist(fresh_k, kv.keys[layer][:, idx])
+        score[~cached] = float("-inf")
+        keep[torch.topk(score, n_keep).indices] = True
+        return keep
+
+    def _chunk_starts(self, prompt: TokenizedPrompt, kv: PromptKV) -> torch.Tensor:
+        forced = torch.zeros(kv.num_tokens, dtype=torch.bool, device=kv.keys.device)
+        start = 0
+        for piece in prompt.pieces:
+            if piece.is_chunk:
+                forced[start : start + min(self.recompute_first, piece.ids.numel())] = True
+            start += piece.ids.numel()
+        return forced
+
+
+def _sq_dist(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """Per-token squared L2 distance summed over heads: ``[heads, n, d] -> [n]``."""
+    return (fresh.float() - stored.float()).pow(2).sum(dim=(0, 2))

@@ -1,0 +1,155 @@
+"""CacheBlend against the full-prefill and turbo references, and its position mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag_integrations import KVRAGEngine, MemoryKVStore
+from kvrag_integrations.engine import layers
+from kvrag_integrations.engine.layers import PromptKV, run_layers
+from kvrag_integrations.engine.strategies.blend import CacheBlend
+from kvrag_integrations.engine.strategies.turbo import assemble, with_last
+
+CHUNKS = [
+    "Marie Curie was a physicist and chemist who conducted pioneering research on "
+    "radioactivity. She was the first woman to win a Nobel Prize.",
+    "Polonium was named by Marie Curie after her native country, Poland, when she "
+    "discovered it with Pierre Curie in 1898.",
+    "The Amazon is the largest river in the world by discharge volume of water.",
+]
+QUESTION = "Which element did Marie Curie name after her native country?"
+
+
+def logits(engine: KVRAGEngine, strategy: str, **options) -> torch.Tensor:
+    return engine.prefill(question=QUESTION, chunks=CHUNKS, strategy=strategy, **options).logits
+
+
+def test_ratio_one_reproduces_full_prefill(engine: KVRAGEngine) -> None:
+    full = logits(engine, "full")
+    blend = logits(engine, "blend", recompute_ratio=1.0)
+    torch.testing.assert_close(blend, full, atol=1e-3, rtol=1e-4)
+
+
+def test_ratio_zero_reproduces_turbo(engine: KVRAGEngine) -> None:
+    turbo = logits(engine, "turbo")
+    blend = logits(engine, "blend", recompute_ratio=0.0)
+    torch.testing.assert_close(blend, turbo, atol=1e-3, rtol=1e-4)
+    assert (turbo - logits(engine, "full")).abs().max() > 1e-2  # the test can tell them apart
+
+
+def test_recompute_moves_logits_toward_full(engine: KVRAGEngine) -> None:
+    full = logits(engine, "full")
+
+    def kl(other: torch.Tensor) -> float:
+        p = torch.log_softmax(full, -1)
+        return float((p.exp() * (p - torch.log_softmax(other, -1))).sum())
+
+    assert kl(logits(engine, "blend", recompute_ratio=0.3)) < kl(logits(engine, "turbo"))
+
+
+def test_stats_report_recomputed_and_reused_tokens(engine: KVRAGEngine) -> None:
+    engine.encode_chunks(CHUNKS, show_progress=False)
+    result = engine.generate(
+        question=QUESTION, chunks=CHUNKS, strategy="blend", recompute_ratio=0.2, max_new_tokens=4
+    )
+    chunk_tokens = sum(
+        len(engine.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in CHUNKS
+    )
+    assert result.strategy == "blend"
+    assert result.recomputed_tokens == round(0.2 * chunk_tokens)
+    assert result.reused_tokens + result.recomputed_tokens == chunk_tokens
+    assert result.prefilled_tokens == result.prompt_tokens - chunk_tokens
+    assert result.text
+
+
+def test_recompute_first_forces_each_chunk_start(engine: KVRAGEngine) -> None:
+    pre = engine.prefill(
+        question=QUESTION, chunks=CHUNKS, strategy="blend", recompute_ratio=0.0, recompute_first=2
+    )
+    _, recomputed, _ = pre.token_counts()
+    assert recomputed == 2 * len(CHUNKS)
+
+
+@pytest.mark.parametrize("deviation", ["key", "both"])
+def test_deviation_variants_run(engine: KVRAGEngine, deviation: str) -> None:
+    out = logits(engine, "blend", recompute_ratio=0.15, deviation=deviation)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"recompute_ratio": -0.1}, ValueError),
+        ({"recompute_ratio": 1.5}, ValueError),
+        ({"recompute_ratio": float("nan")}, ValueError),
+        ({"recompute_ratio": "0.1"}, TypeError),
+        ({"check_layer": -1}, ValueError),
+        ({"deviation": "cosine"}, ValueError),
+    ],
+)
+def test_bad_options_are_typed_errors(options, error) -> None:
+    with pytest.raises(error):
+        CacheBlend(**options)
+
+
+def test_check_layer_beyond_the_model(engine: KVRAGEngine) -> None:
+    with pytest.raises(ValueError, match="check_layer"):
+        logits(engine, "blend", check_layer=99)
+
+
+def _bottom_right(query_idx: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
+    """The reference implementations' alignment: query i sees keys <= total - n + i."""
+    n = query_idx.numel()
+    keys = torch.arange(total, device=query_idx.device)
+    return keys.unsqueeze(0) <= (total - n + torch.arange(n, device=query_idx.device)).unsqueeze(1)
+
+
+def _kept_outputs_after_perturbing_later_keys(engine: KVRAGEngine) -> tuple[torch.Tensor, ...]:
+    """Fresh K/V of kept tokens in chunk 1, before and after noising chunk 2's cache."""
+    e = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    pre = e.prefill(question=QUESTION, chunks=CHUNKS, strategy="turbo")
+    prompt = pre.prompt
+    kvs, _ = e._chunk_caches(prompt)
+    starts, spans = 0, []
+    for piece in prompt.pieces:
+        if piece.is_chunk:
+            spans.append((starts, starts + piece.ids.numel()))
+        starts += piece.ids.numel()
+    (a0, a1), (b0, b1) = spans[0], spans[1]
+    kept = torch.tensor([a0 + 2, a0 + 5, a1 - 1])
+
+    def run(noise: bool) -> PromptKV:
+        kv, uncached = assemble(e.model, prompt, kvs)
+        if noise:
+            gen = torch.Generator().manual_seed(0)
+            shape = kv.keys[1:, :, b0:b1].shape
+            kv.keys[1:, :, b0:b1] = torch.randn(shape, generator=gen)
+            kv.values[1:, :, b0:b1] = torch.randn(shape, generator=gen)
+        todo = with_last(uncached, kv.num_tokens)
+        run_layers(
+            e.model, kv, todo, full_layers=1, selector=lambda _l, _k, _v, idx: torch.isin(idx, kept)
+        )
+        return kv
+
+    clean, noisy = run(False), run(True)
+    return (
+        clean.keys[:, :, kept],
+        noisy.keys[:, :, kept],
+        clean.values[:, :, kept],
+        noisy.values[:, :, kept],
+    )
+
+
+def test_kept_tokens_never_see_later_keys(engine: KVRAGEngine) -> None:
+    """Changing a later chunk's cached K/V leaves earlier kept tokens' outputs unchanged."""
+    k_clean, k_noisy, v_clean, v_noisy = _kept_outputs_after_perturbing_later_keys(engine)
+    torch.testing.assert_close(k_noisy, k_clean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_noisy, v_clean, atol=1e-5, rtol=1e-5)
+
+
+def test_the_mask_test_fails_with_bottom_right_alignment(engine, monkeypatch) -> None:
+    """The check above is sensitive: with bottom-right alignment the outputs move."""
+    monkeypatch.setattr(layers, "_mask", _bottom_right)
+    k_clean, k_noisy, _, _ = _kept_outputs_after_perturbing_later_keys(engine)
+    assert (k_clean - k_noisy).abs().max() > 1e-3
