@@ -260,3 +260,40 @@ def test_sampling_is_seeded_and_max_tokens_bounds_length(engine: KVRAGEngine) ->
 def test_system_prompt_reaches_the_template(engine: KVRAGEngine) -> None:
     segs = engine.build_segments(question="Hi?", system_prompt="You are terse.")
     assert "You are terse." in "".join(getattr(s, "text", "") for s in segs)
+
+
+def test_messages_reuse_known_chunks_found_in_flat_text(engine: KVRAGEngine) -> None:
+    """A flat prompt with a chunk pasted in reuses it like the segment form does."""
+    e = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    e.encode_chunks([TOWER], show_progress=False)
+    text = f"Context:\n{TOWER}\n\nQuestion: {QUESTION}"
+    from_messages = e.generate(messages=[{"role": "user", "content": text}], max_new_tokens=4)
+    from_segments = e.generate(
+        segments=[Text("Context:\n"), Chunk(TOWER), Text(f"\n\nQuestion: {QUESTION}")],
+        max_new_tokens=4,
+    )
+    assert from_messages.reused_tokens == e.tokenize([Chunk(TOWER)]).num_tokens
+    torch.testing.assert_close(from_messages.first_token_logits, from_segments.first_token_logits)
+    assert from_messages.text == from_segments.text
+
+
+def test_known_chunks_argument_and_altered_text(engine: KVRAGEngine) -> None:
+    """Chunks passed as known_chunks are found; altered chunk text is just prefilled."""
+    e = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    text = f"{REEF}\n\nQuestion: How many reefs?"
+    found = e.prefill(messages=[{"role": "user", "content": text}], known_chunks=[REEF])
+    assert [p.text for p in found.prompt.chunk_pieces] == [REEF]
+    altered = e.prefill(
+        messages=[{"role": "user", "content": text.replace("coral", "Coral")}], known_chunks=[REEF]
+    )
+    assert altered.prompt.chunk_pieces == []
+    assert altered.token_counts()[0] == 0
+
+
+def test_bad_messages_are_type_errors(engine: KVRAGEngine) -> None:
+    with pytest.raises(TypeError):
+        engine.generate(messages=["just a string"])
+    with pytest.raises(TypeError):
+        engine.generate(messages=[{"role": "user", "content": 3}])
+    with pytest.raises(ValueError):
+        engine.generate(question=QUESTION, messages=[{"role": "user", "content": "x"}])

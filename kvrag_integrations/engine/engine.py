@@ -24,15 +24,17 @@ from kvrag_integrations.engine.model import LoadedModel, load_model
 from kvrag_integrations.engine.segments import (
     DEFAULT_INSTRUCTION,
     Chunk,
+    Message,
     Segment,
     Text,
     TokenizedPrompt,
-    apply_chat_template,
     rag_user_segments,
+    render_chat,
     tokenize_segments,
     tokenize_text,
     validate_chunk_text,
 )
+from kvrag_integrations.engine.spans import ChunkIndex
 from kvrag_integrations.engine.strategies import PrefillOutput, Strategy, make_strategy
 from kvrag_integrations.errors import ContextWindowExceededError
 from kvrag_integrations.store import KVStore, MemoryKVStore
@@ -110,6 +112,8 @@ class KVRAGEngine:
         self.tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
         self.store: KVStore = store if store is not None else MemoryKVStore()
+        # Texts of chunks encoded by this engine, to find them in flat prompts.
+        self.chunk_index = ChunkIndex()
         # One forward at a time: torch modules are not re-entrant across threads
         # on shared buffers, and interleaving would only slow each request down.
         self._lock = threading.RLock()
@@ -195,6 +199,8 @@ class KVRAGEngine:
             raise TypeError("chunks must be a list of strings, not one string")
         ids = [tokenize_text(self.tokenizer, validate_chunk_text(c)) for c in chunks]
         self._check_fits(max((len(i) for i in ids), default=0), "a chunk")
+        for text in chunks:
+            self.chunk_index.add(text)
         keys = [cache_key(self.fingerprint, i) for i in ids]
         todo = {}
         for key, tok in zip(keys, ids):
@@ -236,6 +242,7 @@ class KVRAGEngine:
             if key in found or key in missing:
                 continue
             kv = self.store.get(key, self.fingerprint)
+            self.chunk_index.add(piece.text)
             if kv is None:
                 missing[key] = piece.ids
             else:
@@ -252,35 +259,61 @@ class KVRAGEngine:
         question: str | None = None,
         chunks: Sequence[str] | None = None,
         segments: Sequence[Segment] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
+        known_chunks: Sequence[str] = (),
         system_prompt: str | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
         chat_template: bool = True,
     ) -> list[Segment]:
         """The prompt as segments, with the chat template applied if asked.
 
-        Either ``segments`` (the user message, or with ``chat_template=False`` the
-        whole prompt) or ``question`` with optional ``chunks``.
+        Exactly one of:
+
+        - ``question`` (with optional ``chunks``): the default RAG layout;
+        - ``segments``: the user message (or, with ``chat_template=False``, the
+          whole prompt) as ``Text`` / ``Chunk`` segments;
+        - ``messages``: ``{"role", "content"}`` dicts whose content is a string
+          or a list of segments. Strings are split where a known chunk appears:
+          one this engine has encoded, or one of ``known_chunks``.
         """
-        if segments is not None:
-            if question is not None or chunks is not None:
-                raise ValueError("pass either segments or question/chunks, not both")
-            user = list(segments)
+        if sum(x is not None for x in (question, segments, messages)) != 1:
+            raise ValueError("pass exactly one of question (with chunks), segments or messages")
+        if chunks is not None and question is None:
+            raise ValueError("chunks go with question; use segments or messages otherwise")
+        if isinstance(chunks, str):
+            raise TypeError("chunks must be a list of strings, not one string")
+        chat: list[Message] = []
+        if system_prompt is not None:
+            chat.append(("system", [Text(system_prompt)]))
+        if messages is not None:
+            chat += [self._message(m, known_chunks) for m in messages]
+        elif segments is not None:
+            chat.append(("user", list(segments)))
         else:
-            if question is None:
-                raise ValueError("pass question (with optional chunks) or segments")
-            if isinstance(chunks, str):
-                raise TypeError("chunks must be a list of strings, not one string")
-            user = rag_user_segments(question, list(chunks or []), instruction)
-        if not chat_template:
-            if system_prompt:
-                user = [Text(system_prompt + "\n\n"), *user]
-            return user
-        if not getattr(self.tokenizer, "chat_template", None):
+            chat.append(("user", rag_user_segments(question, list(chunks or []), instruction)))
+        if chat_template and not getattr(self.tokenizer, "chat_template", None):
             logger.info("tokenizer has no chat template; using the plain prompt")
-            return self.build_segments(
-                segments=user, system_prompt=system_prompt, chat_template=False
-            )
-        return apply_chat_template(self.tokenizer, user, system_prompt)
+            chat_template = False
+        if chat_template:
+            return render_chat(self.tokenizer, chat)
+        flat: list[Segment] = []
+        for role, content in chat:
+            flat += content
+            if role == "system":
+                flat.append(Text("\n\n"))
+        return flat
+
+    def _message(self, message: dict[str, Any], known_chunks: Sequence[str]) -> Message:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise TypeError('each message must be a dict with "role" and "content"')
+        content = message["content"]
+        if isinstance(content, str):
+            return message["role"], self.chunk_index.split(content, known_chunks)
+        if isinstance(content, (list, tuple)) and all(
+            isinstance(s, (Text, Chunk)) for s in content
+        ):
+            return message["role"], list(content)
+        raise TypeError("message content must be a string or a list of Text/Chunk segments")
 
     def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
         """Tokenize segments (each alone) into a prompt."""
@@ -301,6 +334,8 @@ class KVRAGEngine:
         strategy: str | Strategy = "turbo",
         question: str | None = None,
         chunks: Sequence[str] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
+        known_chunks: Sequence[str] = (),
         system_prompt: str | None = None,
         chat_template: bool = True,
         max_new_tokens: int = 0,
@@ -317,6 +352,8 @@ class KVRAGEngine:
             question=question,
             chunks=chunks,
             segments=segments,
+            messages=messages,
+            known_chunks=known_chunks,
             system_prompt=system_prompt,
             chat_template=chat_template,
         )
@@ -337,6 +374,8 @@ class KVRAGEngine:
         chunks: Sequence[str] | None = None,
         *,
         segments: Sequence[Segment] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
+        known_chunks: Sequence[str] = (),
         strategy: str | Strategy = "turbo",
         system_prompt: str | None = None,
         chat_template: bool = True,
@@ -371,6 +410,8 @@ class KVRAGEngine:
             strategy=strategy,
             question=question,
             chunks=chunks,
+            messages=messages,
+            known_chunks=known_chunks,
             system_prompt=system_prompt,
             chat_template=chat_template,
             max_new_tokens=max_new_tokens,
@@ -414,7 +455,8 @@ class KVRAGEngine:
         Args:
             question: the user's question.
             chunks: retrieved chunk texts, in prompt order.
-            **kwargs: ``segments``, ``strategy`` ("full", "turbo", ...),
+            **kwargs: ``segments`` or ``messages`` (with ``known_chunks``) instead of
+                question/chunks, ``strategy`` ("full", "turbo", "blend"),
                 ``system_prompt``, ``chat_template``, ``max_new_tokens``,
                 ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
                 ``stop``, ``stop_token_ids`` and strategy options (e.g.

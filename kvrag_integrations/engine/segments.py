@@ -136,33 +136,35 @@ def rag_user_segments(
 _SENTINEL = "\x00kvrag-chunk-{}\x00"
 
 
-def apply_chat_template(
-    tokenizer: Any,
-    user: Sequence[Segment],
-    system_prompt: str | None = None,
-    history: Sequence[dict[str, str]] = (),
-) -> list[Segment]:
-    """Wrap user-message segments in the model's chat template, keeping chunks intact.
+Message = tuple[str, Sequence[Segment]]  # (role, content segments)
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
+    """Render chat messages with the model's template, keeping chunks intact.
 
     The template is rendered with a sentinel in place of each chunk and the result
     is split at the sentinels, so chunks stay separate segments whose ids match
-    their stored caches.
+    their stored caches. The generation prompt for the assistant is appended.
 
     Args:
         tokenizer: a tokenizer with ``chat_template``.
-        user: the user message as segments.
-        system_prompt: optional system message (else the template's default).
-        history: earlier ``{"role", "content"}`` messages, rendered as text.
+        messages: ``(role, segments)`` pairs, e.g. ``[("user", [Text("Q"), Chunk(c)])]``.
     """
-    content = "".join(
-        _SENTINEL.format(i) if isinstance(s, Chunk) else s.text for i, s in enumerate(user)
+    chunks: dict[int, Chunk] = {}
+    rendered_messages = []
+    for role, content in messages:
+        text = ""
+        for seg in content:
+            if isinstance(seg, Chunk):
+                chunks[len(chunks)] = seg
+                text += _SENTINEL.format(len(chunks) - 1)
+            else:
+                text += seg.text
+        rendered_messages.append({"role": role, "content": text})
+    rendered = tokenizer.apply_chat_template(
+        rendered_messages, tokenize=False, add_generation_prompt=True
     )
-    messages = list(history)
-    if system_prompt is not None:
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    messages.append({"role": "user", "content": content})
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return split_rendered(rendered, {i: s for i, s in enumerate(user) if isinstance(s, Chunk)})
+    return split_rendered(rendered, chunks)
 
 
 def split_rendered(rendered: str, chunks: dict[int, Chunk]) -> list[Segment]:

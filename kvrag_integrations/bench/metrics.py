@@ -1,0 +1,58 @@
+"""Answer and distribution metrics, named as in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces.
+
+    Example:
+        >>> normalize_answer("The  Eiffel Tower!")
+        'eiffel tower'
+    """
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """Token-overlap F1 of two answers after ``normalize_answer``.
+
+    Example:
+        >>> round(token_f1("in Paris, France", "Paris"), 2)
+        0.5
+    """
+    pred = normalize_answer(prediction).split()
+    ref = normalize_answer(reference).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_f1(prediction: str, references: Iterable[str]) -> float:
+    """The best ``token_f1`` against any of the gold answers."""
+    return max((token_f1(prediction, r) for r in references), default=0.0)
+
+
+def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(reference || other) of two next-token distributions, in nats.
+
+    Example:
+        >>> kl_divergence(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
+        0.0
+    """
+    p = torch.log_softmax(reference_logits.float(), dim=-1)
+    q = torch.log_softmax(logits.float(), dim=-1)
+    return max(0.0, float((p.exp() * (p - q)).sum()))

@@ -1,0 +1,126 @@
+"""Speed and fidelity of every strategy on the same RAG questions, in one run.
+
+Per strategy: median TTFT and speedup over full; fidelity to full prefill (mean
+first-token KL, top-1 agreement, token F1 of the greedy answer against full's);
+quality against gold (answer F1).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from kvrag_integrations.bench.common import RagItem, markdown_table, trim_to_tokens
+from kvrag_integrations.bench.metrics import best_f1, kl_divergence, token_f1
+from kvrag_integrations.engine.engine import KVRAGEngine
+
+DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("blend", {"recompute_ratio": 0.05}),
+    ("blend", {"recompute_ratio": 0.15}),
+    ("blend", {"recompute_ratio": 0.3}),
+]
+
+
+def label(name: str, options: dict[str, Any]) -> str:
+    """``blend@0.15`` style names for table rows."""
+    if name == "blend" and set(options) == {"recompute_ratio"}:
+        return f"blend@{options['recompute_ratio']:g}"
+    if not options:
+        return name
+    return name + "(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")"
+
+
+def run(
+    engine: KVRAGEngine,
+    items: list[RagItem],
+    *,
+    n_chunks: int = 10,
+    chunk_tokens: int = 0,
+    repeats: int = 1,
+    max_new_tokens: int = 24,
+    strategies: list[tuple[str, dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """Run every strategy on every item; ``chunk_tokens=0`` keeps passages whole."""
+    strategies = strategies or DEFAULT_STRATEGIES
+    per: dict[str, dict[str, list[float]]] = {label(n, o): {} for n, o in strategies}
+    prompt_tokens = []
+    for item in items:
+        chunks = item.chunks[:n_chunks]
+        if chunk_tokens:
+            chunks = [trim_to_tokens(engine.tokenizer, c, chunk_tokens) for c in chunks]
+        engine.encode_chunks(chunks, show_progress=False)
+        reference = None
+        for name, options in strategies:
+            ttfts, result = [], None
+            for _ in range(max(1, repeats)):
+                result = engine.generate(
+                    question=item.question,
+                    chunks=chunks,
+                    strategy=name,
+                    max_new_tokens=max_new_tokens,
+                    stop=["\n"],
+                    **options,
+                )
+                ttfts.append(result.ttft_s)
+            if reference is None:
+                reference = result  # the first strategy (full) is the reference
+                prompt_tokens.append(result.prompt_tokens)
+            row = per[label(name, options)]
+            logits, ref_logits = result.first_token_logits, reference.first_token_logits
+            row.setdefault("ttft_s", []).append(statistics.median(ttfts))
+            row.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
+            row.setdefault("top1", []).append(float(logits.argmax() == ref_logits.argmax()))
+            row.setdefault("f1_vs_full", []).append(token_f1(result.text, reference.text))
+            row.setdefault("f1_gold", []).append(best_f1(result.text, item.answers))
+            row.setdefault("recomputed", []).append(result.recomputed_tokens)
+    base = statistics.median(per[label(*strategies[0])]["ttft_s"])
+    rows = []
+    for name, values in per.items():
+        ttft = statistics.median(values["ttft_s"])
+        rows.append(
+            {
+                "strategy": name,
+                "ttft_ms": ttft * 1000,
+                "speedup": base / ttft,
+                "kl_vs_full": statistics.mean(values["kl"]),
+                "top1_vs_full": statistics.mean(values["top1"]),
+                "f1_vs_full": statistics.mean(values["f1_vs_full"]),
+                "f1_gold": statistics.mean(values["f1_gold"]),
+                "recomputed_tokens": statistics.mean(values["recomputed"]),
+            }
+        )
+    return {
+        "items": len(items),
+        "chunks_per_prompt": n_chunks,
+        "chunk_tokens": chunk_tokens or "whole",
+        "median_prompt_tokens": statistics.median(prompt_tokens) if prompt_tokens else 0,
+        "repeats": repeats,
+        "results": rows,
+    }
+
+
+def table(payload: dict[str, Any]) -> str:
+    headers = [
+        "strategy",
+        "TTFT ms",
+        "speedup",
+        "KL vs full",
+        "top-1 vs full",
+        "F1 vs full",
+        "F1 vs gold",
+    ]
+    rows = [
+        [
+            r["strategy"],
+            round(r["ttft_ms"], 1),
+            f"{r['speedup']:.1f}x",
+            round(r["kl_vs_full"], 3),
+            round(r["top1_vs_full"], 2),
+            round(r["f1_vs_full"], 2),
+            round(r["f1_gold"], 2),
+        ]
+        for r in payload["results"]
+    ]
+    return markdown_table(headers, rows)
