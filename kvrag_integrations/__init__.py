@@ -7,6 +7,7 @@ Example:
 """
 
 from kvrag_integrations.engine import (
+    CACHE_KEY_FIELD,
     Chunk,
     ChunkKV,
     ChunkRef,
@@ -34,6 +35,7 @@ from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore
 __version__ = "0.1.0"
 
 __all__ = [
+    "CACHE_KEY_FIELD",
     "CacheEntryError",
     "Chunk",
     "ChunkKV",

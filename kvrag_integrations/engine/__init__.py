@@ -2,11 +2,12 @@
 
 from kvrag_integrations.engine.engine import ChunkRef, GenerationStream, KVRAGEngine, PrefillResult
 from kvrag_integrations.engine.generate import GenerationResult, SamplingParams
-from kvrag_integrations.engine.kv import ChunkKV, cache_key
+from kvrag_integrations.engine.kv import CACHE_KEY_FIELD, ChunkKV, cache_key
 from kvrag_integrations.engine.segments import Chunk, Segment, Text
 from kvrag_integrations.engine.strategies import STRATEGIES, Strategy, make_strategy
 
 __all__ = [
+    "CACHE_KEY_FIELD",
     "STRATEGIES",
     "Chunk",
     "ChunkKV",

@@ -41,6 +41,9 @@ from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
 
+_SHARED: dict[tuple[str, str, str], KVRAGEngine] = {}
+_SHARED_LOCK = threading.Lock()
+
 
 @dataclass(frozen=True)
 class ChunkRef:
@@ -144,6 +147,25 @@ class KVRAGEngine:
             model, device=device, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code
         )
         return cls(loaded, store=store)
+
+    @classmethod
+    def shared(
+        cls,
+        model: str | os.PathLike | None = None,
+        *,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = None,
+    ) -> KVRAGEngine:
+        """One engine per (model, device, dtype) in this process, loaded on first use.
+
+        Adapters built from a model name (``ChatKVRAG(model=...)``) use it so that
+        many instances share one copy of the weights and one store.
+        """
+        ident = (str(model), str(device), str(dtype))
+        with _SHARED_LOCK:
+            if ident not in _SHARED:
+                _SHARED[ident] = cls.from_pretrained(model, device=device, dtype=dtype)
+            return _SHARED[ident]
 
     # ----------------------------------------------------------------- facts
     @property

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The metadata field where framework adapters record a chunk's cache key.
+CACHE_KEY_FIELD = "kvrag_cache_key"
+
 
 def cache_key(fingerprint: str, token_ids: torch.Tensor | list[int]) -> str:
     """Return the store key of a chunk: sha256 over the model fingerprint and ids.
