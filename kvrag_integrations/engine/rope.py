@@ -19,7 +19,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def shift_keys(
-    keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor
+    keys: torch.Tensor,
+    delta: int | torch.Tensor,
+    inv_freq: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``keys`` moved ``delta`` positions later (negative moves earlier).
 
@@ -28,6 +31,8 @@ def shift_keys(
         delta: one shift for all tokens, or a ``[tokens]`` tensor of per-token shifts.
         inv_freq: the model's ``rotary_emb.inv_freq`` (``[rot_dim // 2]``); when
             ``rot_dim < head_dim`` (partial rotary) the rest passes unchanged.
+        out: optional destination (same shape and dtype as ``keys``, not
+            overlapping it); the prompt assembly writes straight into its buffer.
 
     Example:
         >>> import torch
@@ -36,16 +41,26 @@ def shift_keys(
         >>> torch.allclose(shift_keys(shift_keys(k, 3, inv), -3, inv), k, atol=1e-5)
         True
     """
+    if out is None:
+        out = torch.empty_like(keys)
     if isinstance(delta, int) and delta == 0:
-        return keys
-    rot_dim = inv_freq.numel() * 2
+        return out.copy_(keys)
+    half = inv_freq.numel()
+    rot_dim = 2 * half
     delta_t = torch.as_tensor(delta, dtype=torch.float32, device=keys.device)
-    inv = inv_freq.to(device=keys.device, dtype=torch.float32)
-    angles = delta_t.reshape(-1, 1) * inv  # [tokens or 1, rot_dim/2]
-    emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
-    rot = keys[..., :rot_dim].float()
-    moved = rot * cos + rotate_half(rot) * sin
-    if rot_dim == keys.shape[-1]:
-        return moved.to(keys.dtype)
-    return torch.cat((moved.to(keys.dtype), keys[..., rot_dim:]), dim=-1)
+    angles = delta_t.reshape(-1, 1) * inv_freq.to(device=keys.device, dtype=torch.float32)
+    cos, sin = angles.cos(), angles.sin()  # [tokens or 1, half]
+    # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): rotate-half, without the
+    # temporaries of cat(): this runs over every cached key of every prompt.
+    x1, x2 = keys[..., :half], keys[..., half:rot_dim]
+    if keys.dtype != torch.float32:
+        x1, x2 = x1.float(), x2.float()
+    o1 = x1 * cos
+    o1.addcmul_(x2, sin, value=-1)
+    o2 = x2 * cos
+    o2.addcmul_(x1, sin)
+    out[..., :half] = o1
+    out[..., half:rot_dim] = o2
+    if rot_dim < keys.shape[-1]:
+        out[..., rot_dim:] = keys[..., rot_dim:]
+    return out

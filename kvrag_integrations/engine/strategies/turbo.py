@@ -27,7 +27,7 @@ def assemble(
             leaves every chunk at 0 and continues text after the longest chunk.
 
     Returns:
-        ``(kv, uncached)``: the buffer (text tokens not yet computed: zeros) and
+        ``(kv, uncached)``: the buffer (text tokens' slots not yet written) and
         the indices of the text tokens still to compute.
     """
     if positions not in POSITION_MODES:
@@ -37,8 +37,9 @@ def assemble(
     n_layers = len(inner.layers)
     kv_heads = first.k_proj.out_features // first.head_dim
     shape = (n_layers, kv_heads, prompt.num_tokens, first.head_dim)
-    keys = torch.zeros(shape, dtype=lm.dtype, device=lm.device)
-    values = torch.zeros_like(keys)
+    # Text tokens' slots are written by run_layers before any layer reads them.
+    keys = torch.empty(shape, dtype=lm.dtype, device=lm.device)
+    values = torch.empty_like(keys)
     pos = torch.empty(prompt.num_tokens, dtype=torch.long)
     uncached = []
     start = next_pos = 0
@@ -50,7 +51,7 @@ def assemble(
         if piece.is_chunk:
             chunk = next(chunk_iter)
             at = next_pos if positions == "reordered" else 0
-            keys[:, :, span] = shift_keys(chunk.keys, at, inv_freq)
+            shift_keys(chunk.keys, at, inv_freq, out=keys[:, :, span])
             values[:, :, span] = chunk.values
             pos[span] = torch.arange(at, at + n)
             next_pos = max(next_pos, at + n)
