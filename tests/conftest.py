@@ -9,5 +9,5 @@ from kvrag_integrations import KVRAGEngine
 
 @pytest.fixture(scope="session")
 def engine() -> KVRAGEngine:
-    """The bundled SmolLM2-135M-Instruct on CPU with an in-memory store."""
-    return KVRAGEngine.from_pretrained()
+    """The bundled SmolLM2-135M-Instruct on CPU (the process-wide shared engine)."""
+    return KVRAGEngine.shared()

@@ -1,0 +1,160 @@
+"""LangChain's own standard suites on the real default model and a real chromadb.
+
+Features the model does not have (tool calling, structured output, JSON mode,
+image/audio/PDF/video inputs) are off through the suites' property flags.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from typing import Any
+
+import chromadb
+import pytest
+from chromadb.config import Settings
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_tests.integration_tests import (
+    ChatModelIntegrationTests,
+    EmbeddingsIntegrationTests,
+    RetrieversIntegrationTests,
+)
+from langchain_tests.unit_tests import ChatModelUnitTests, EmbeddingsUnitTests
+
+from kvrag_integrations import KVRAGEngine
+from kvrag_integrations.langchain import (
+    ChatKVRAG,
+    KVRAGRetriever,
+    MiniLMEmbeddings,
+    add_documents,
+)
+
+pytestmark = pytest.mark.anyio  # the suites' async tests run on asyncio
+
+CHAT_PARAMS = {"max_tokens": 24}  # short answers keep the integration suite quick
+SEED_DOCS = [
+    "Paris is the capital and largest city of France.",
+    "Canberra is the capital city of Australia.",
+    "The Nile is a major river in northeastern Africa.",
+    "Mount Everest is the highest mountain above sea level.",
+    "Python is a programming language created by Guido van Rossum.",
+]
+CACHED_DOC = "The Eiffel Tower in Paris was completed in 1889 for the World's Fair."
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@functools.lru_cache(maxsize=1)
+def seeded_collection() -> Any:
+    """A chromadb EphemeralClient collection with a few short documents (once per run)."""
+    client = chromadb.EphemeralClient(settings=Settings(anonymized_telemetry=False))
+    collection = client.create_collection(
+        f"kvrag-std-{uuid.uuid4().hex[:8]}", embedding_function=None
+    )
+    add_documents(collection, SEED_DOCS, KVRAGEngine.shared(), show_progress=False)
+    return collection
+
+
+class _ChatParams:
+    @property
+    def chat_model_class(self) -> type[ChatKVRAG]:
+        return ChatKVRAG
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return dict(CHAT_PARAMS)
+
+    # What a local text-only 135M chat model has and has not.
+    @property
+    def has_tool_calling(self) -> bool:
+        return False
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return False
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_audio_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_pdf_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_video_inputs(self) -> bool:
+        return False
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    @property
+    def supports_model_override(self) -> bool:
+        return True
+
+    @property
+    def model_override_value(self) -> str:
+        # The same weights under another name: the default model's local folder.
+        return str(KVRAGEngine.shared().model.name_or_path)
+
+
+class TestChatKVRAGUnit(_ChatParams, ChatModelUnitTests):
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {}  # the unit suite passes max_tokens and stop itself
+
+
+class TestChatKVRAGIntegration(_ChatParams, ChatModelIntegrationTests):
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        llm = ChatKVRAG(**self.chat_model_params)
+        assert llm.engine is not None
+        llm.engine.encode_chunks([CACHED_DOC], show_progress=False)
+        messages = [HumanMessage(f"{CACHED_DOC}\n\nWhen was the Eiffel Tower completed?")]
+        if not stream:
+            return llm.invoke(messages)
+        full: Any = None
+        for chunk in llm.stream(messages):
+            full = chunk if full is None else full + chunk
+        return full
+
+
+class TestKVRAGRetriever(RetrieversIntegrationTests):
+    @property
+    def retriever_constructor(self) -> type[KVRAGRetriever]:
+        return KVRAGRetriever
+
+    @property
+    def retriever_constructor_params(self) -> dict[str, Any]:
+        return {"collection": seeded_collection(), "engine": KVRAGEngine.shared(), "k": 2}
+
+    @property
+    def retriever_query_example(self) -> str:
+        return "What is the capital of France?"
+
+
+class TestMiniLMEmbeddingsUnit(EmbeddingsUnitTests):
+    @property
+    def embeddings_class(self) -> type[MiniLMEmbeddings]:
+        return MiniLMEmbeddings
+
+
+class TestMiniLMEmbeddingsIntegration(EmbeddingsIntegrationTests):
+    @property
+    def embeddings_class(self) -> type[MiniLMEmbeddings]:
+        return MiniLMEmbeddings
