@@ -297,3 +297,18 @@ def test_bad_messages_are_type_errors(engine: KVRAGEngine) -> None:
         engine.generate(messages=[{"role": "user", "content": 3}])
     with pytest.raises(ValueError):
         engine.generate(question=QUESTION, messages=[{"role": "user", "content": "x"}])
+
+
+def test_closing_a_stream_early_frees_the_engine(engine: KVRAGEngine) -> None:
+    import threading
+
+    stream = engine.stream(question=QUESTION, chunks=[TOWER], max_new_tokens=30)
+    next(stream)
+    stream.close()
+    done = threading.Event()
+    worker = threading.Thread(
+        target=lambda: (engine.generate(question=QUESTION, max_new_tokens=1), done.set())
+    )
+    worker.start()
+    worker.join(timeout=60)
+    assert done.is_set()

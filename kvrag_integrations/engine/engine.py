@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,9 +85,14 @@ class PrefillResult:
 
 
 class GenerationStream:
-    """An iterator of text pieces; ``result`` holds the stats once it is exhausted."""
+    """An iterator of text pieces; ``result`` holds the stats once it is exhausted.
 
-    def __init__(self, pieces: Iterator[str], result: GenerationResult) -> None:
+    Decoding holds the engine's lock between pieces: a consumer that stops early
+    should ``close()`` the stream (or use it as a context manager), which frees
+    the engine at once instead of whenever the stream is garbage-collected.
+    """
+
+    def __init__(self, pieces: Generator[str, None, None], result: GenerationResult) -> None:
         self._pieces = pieces
         self.result = result
 
@@ -96,6 +101,16 @@ class GenerationStream:
 
     def __next__(self) -> str:
         return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop decoding and release the engine (must run on the consuming thread)."""
+        self._pieces.close()
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class KVRAGEngine:
@@ -451,7 +466,7 @@ class KVRAGEngine:
             lazily_encoded_chunks=pre.lazily_encoded_chunks,
         )
 
-        def pieces() -> Iterator[str]:
+        def pieces() -> Generator[str, None, None]:
             with self._lock:
                 yield from decode(
                     self.model,

@@ -1,0 +1,117 @@
+"""Learning which nodes the current request retrieved, from LlamaIndex instrumentation.
+
+A query engine pastes its nodes' LLM text into a flat prompt; to reuse their caches
+the LLM must know which spans of that prompt are chunks. Chunks this process
+encoded are in ``engine.chunk_index``, but after a restart (persistent vector store
+and ``DiskKVStore``) that index is empty. So two instrumentation hooks on the root
+dispatcher note the LLM text of every node a request handles, in a context variable
+that follows the request through threads (copied) and asyncio tasks:
+
+- an event handler for ``RetrievalEndEvent`` (any ``BaseRetriever``, chat engines
+  included);
+- a span handler that sees ``BaseSynthesizer.synthesize`` / ``asynthesize`` calls
+  with their ``nodes`` (nodes after postprocessing, or handed to a synthesizer
+  directly).
+
+``KVRAGLLM`` passes them to the engine as ``known_chunks``. Only verbatim matches
+are reused, so a stale entry costs a string search, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Iterable
+from contextvars import ContextVar
+from typing import Any
+
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+from llama_index.core.instrumentation.span import BaseSpan
+from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
+from llama_index.core.response_synthesizers.base import BaseSynthesizer
+from llama_index.core.schema import BaseNode, NodeWithScore
+
+from kvrag_integrations.llama_index._nodes import llm_texts
+
+MAX_REQUEST_CHUNKS = 256  # the most recent node texts kept per request context
+
+_REQUEST_CHUNKS: ContextVar[tuple[str, ...]] = ContextVar("kvrag_request_chunks", default=())
+_INSTALLED = False
+_INSTALL_LOCK = threading.Lock()
+
+
+def note_nodes(nodes: Iterable[BaseNode | NodeWithScore]) -> None:
+    """Remember the nodes' LLM texts as chunks of the current request.
+
+    Example:
+        >>> from llama_index.core.schema import TextNode
+        >>> note_nodes([TextNode(text="Paris is the capital of France.")])
+        >>> request_chunks()[-1]
+        'Paris is the capital of France.'
+    """
+    new = list(dict.fromkeys(llm_texts(nodes)))
+    if not new:
+        return
+    fresh = set(new)
+    kept = [t for t in _REQUEST_CHUNKS.get() if t not in fresh]
+    _REQUEST_CHUNKS.set(tuple([*kept, *new][-MAX_REQUEST_CHUNKS:]))
+
+
+def request_chunks() -> tuple[str, ...]:
+    """Node texts noted in this context (thread or task), oldest first."""
+    return _REQUEST_CHUNKS.get()
+
+
+class RetrievalNodesHandler(BaseEventHandler):
+    """Notes the nodes of every ``RetrievalEndEvent``."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVRAGRetrievalNodesHandler"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        if isinstance(event, RetrievalEndEvent):
+            note_nodes(event.nodes)
+
+
+class SynthesisNodesHandler(BaseSpanHandler[BaseSpan]):
+    """Notes the ``nodes`` argument of synthesizer spans; opens no spans itself."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVRAGSynthesisNodesHandler"
+
+    def new_span(
+        self,
+        id_: str,
+        bound_args: inspect.BoundArguments,
+        instance: Any | None = None,
+        parent_span_id: str | None = None,
+        tags: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> BaseSpan | None:
+        if isinstance(instance, BaseSynthesizer):
+            nodes = bound_args.arguments.get("nodes")
+            if isinstance(nodes, (list, tuple)):
+                note_nodes(n for n in nodes if isinstance(n, (BaseNode, NodeWithScore)))
+        return None
+
+    def prepare_to_exit_span(self, *args: Any, **kwargs: Any) -> BaseSpan | None:
+        return None
+
+    def prepare_to_drop_span(self, *args: Any, **kwargs: Any) -> BaseSpan | None:
+        return None
+
+
+def install_hooks() -> None:
+    """Attach both handlers to LlamaIndex's root dispatcher (once per process)."""
+    global _INSTALLED
+    with _INSTALL_LOCK:
+        if _INSTALLED:
+            return
+        root = get_dispatcher()
+        root.add_event_handler(RetrievalNodesHandler())
+        root.add_span_handler(SynthesisNodesHandler())
+        _INSTALLED = True

@@ -1,0 +1,259 @@
+"""KVRAGLLM: a LlamaIndex LLM that reuses the KV caches of the chunks in its prompt."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from pydantic import Field, PrivateAttr
+
+from kvrag_integrations.engine.strategies import make_strategy
+from kvrag_integrations.llama_index._aio import iterate_in_thread
+from kvrag_integrations.llama_index.hooks import install_hooks, request_chunks
+
+# LlamaIndex roles the chat template may not know, mapped to ones it does.
+_ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
+# Per-call keyword arguments passed on to the engine (others, e.g. ``formatted``, are ignored).
+_CALL_OPTIONS = ("strategy", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+@dataclass
+class _Request:
+    """One engine call: what the LLM received and how to answer it."""
+
+    messages: list[dict[str, str]]
+    known_chunks: tuple[str, ...]
+    options: dict[str, Any]
+
+
+class KVRAGLLM(CustomLLM):
+    """A local LLM for LlamaIndex that builds its prompt cache from stored chunk caches.
+
+    Synthesizers paste retrieved node texts into the prompt; the engine finds them
+    there (chunks this engine encoded, plus the nodes retrieved or synthesized in
+    this request, learned through LlamaIndex instrumentation) and reuses their KV
+    caches with the chosen strategy. Text a synthesizer altered is just prefilled.
+    Messages keep their roles; the engine applies the model's chat template.
+
+    Each response carries the reuse stats (``reused_tokens``, ``recomputed_tokens``,
+    ``prefilled_tokens``, ``ttft_s``, ``strategy``, ...) in ``additional_kwargs`` and
+    ``raw``; ``last_stats`` / ``last_result`` / ``last_messages`` keep the latest
+    call's (per instance: under concurrency read the response instead).
+
+    Args:
+        engine: a ``KVRAGEngine``; or leave it out and give ``model`` (plus ``device``,
+            ``dtype``) to use ``KVRAGEngine.shared``.
+        strategy: ``"full"``, ``"turbo"`` or ``"blend"``.
+        strategy_options: e.g. ``{"recompute_ratio": 0.15}`` for blend.
+        max_new_tokens, temperature, top_p, seed, stop: decoding (``temperature=0``
+            is greedy). ``system_prompt``: added by ``complete`` and, as LlamaIndex
+            does, by ``predict``; ``chat`` sends the messages as given.
+
+    Example:
+        >>> llm = KVRAGLLM(engine, strategy="blend", max_new_tokens=64)  # doctest: +SKIP
+        >>> query_engine = index.as_query_engine(llm=llm)  # doctest: +SKIP
+        >>> print(query_engine.query("Who wrote it?"))  # doctest: +SKIP
+        >>> llm.last_stats["reused_tokens"]  # doctest: +SKIP
+        412
+    """
+
+    model: str | None = Field(default=None, description="Model to load when no engine is given.")
+    device: str = Field(default="cpu", description="Device for a model loaded by name.")
+    dtype: str | None = Field(default=None, description="Dtype for a model loaded by name.")
+    strategy: str = Field(default="blend", description='"full", "turbo" or "blend".')
+    strategy_options: dict[str, Any] = Field(default_factory=dict)
+    max_new_tokens: int = Field(default=256, ge=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None)
+    stop: list[str] = Field(default_factory=list)
+
+    _engine: Any = PrivateAttr(default=None)
+    _last_result: Any = PrivateAttr(default=None)
+    _last_request: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        if engine is not None and kwargs.get("model") is not None:
+            raise ValueError("pass an engine or a model name, not both")
+        super().__init__(**kwargs)
+        make_strategy(self.strategy, **self.strategy_options)  # fail early on a bad option
+        if engine is None:
+            from kvrag_integrations.engine.engine import KVRAGEngine
+
+            engine = KVRAGEngine.shared(self.model, device=self.device, dtype=self.dtype)
+        self._engine = engine
+        install_hooks()
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVRAGLLM"
+
+    # --------------------------------------------------------------- facts
+    @property
+    def engine(self) -> Any:
+        """The ``KVRAGEngine`` answering the calls."""
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self._engine.context_window,
+            num_output=self.max_new_tokens,
+            is_chat_model=True,
+            model_name=self._engine.model_name,
+        )
+
+    @property
+    def last_result(self) -> Any:
+        """The latest call's ``GenerationResult`` (with ``first_token_logits``), or None."""
+        return self._last_result
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """The latest call's stats dict (empty before the first call)."""
+        return dict(self._last_result.stats) if self._last_result is not None else {}
+
+    @property
+    def last_messages(self) -> list[dict[str, str]]:
+        """The messages the latest call sent to the engine (system prompt included)."""
+        return list(self._last_request.messages) if self._last_request is not None else []
+
+    @property
+    def last_known_chunks(self) -> tuple[str, ...]:
+        """The request's node texts the latest call passed as ``known_chunks``."""
+        return self._last_request.known_chunks if self._last_request is not None else ()
+
+    # ------------------------------------------------------------ requests
+    def _request(
+        self, messages: list[dict[str, str]], kwargs: dict[str, Any], *, system: bool
+    ) -> _Request:
+        if system and self.system_prompt:
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        options: dict[str, Any] = {
+            "strategy": self.strategy,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": list(self.stop),
+        }
+        options.update({k: kwargs[k] for k in _CALL_OPTIONS if k in kwargs})
+        strategy_options = kwargs.get("strategy_options")
+        if strategy_options is None:  # the instance's options go with the instance's strategy
+            strategy_options = self.strategy_options if options["strategy"] == self.strategy else {}
+        options.update(strategy_options)
+        return _Request(messages, request_chunks(), options)
+
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> _Request:
+        dicts = []
+        for message in messages:
+            role = getattr(message.role, "value", message.role)
+            dicts.append({"role": _ROLES.get(role, role), "content": message.content or ""})
+        return self._request(dicts, kwargs, system=False)
+
+    def _prompt_request(self, prompt: str, kwargs: dict[str, Any]) -> _Request:
+        return self._request([{"role": "user", "content": prompt}], kwargs, system=True)
+
+    def _open(self, request: _Request) -> Any:
+        """Prefill now (errors surface here) and return the engine's stream."""
+        self._last_request = request
+        return self._engine.stream(
+            messages=request.messages, known_chunks=request.known_chunks, **request.options
+        )
+
+    def _run(self, request: _Request) -> tuple[str, dict[str, Any]]:
+        stream = self._open(request)
+        text = "".join(stream)
+        self._last_result = stream.result
+        return text, stream.result.stats
+
+    def _pieces(self, stream: Any) -> Iterator[tuple[str, str, dict[str, Any]]]:
+        """``(text so far, delta, stats)`` per piece, then a final ``delta=""`` with all stats."""
+        text = ""
+        for piece in stream:
+            text += piece
+            yield text, piece, stream.result.stats
+        self._last_result = stream.result
+        yield text, "", stream.result.stats
+
+    def _completion_gen(self, stream: Any) -> CompletionResponseGen:
+        for text, delta, stats in self._pieces(stream):
+            yield CompletionResponse(text=text, delta=delta, additional_kwargs=stats, raw=stats)
+
+    def _chat_gen(self, stream: Any) -> ChatResponseGen:
+        for text, delta, stats in self._pieces(stream):
+            yield _chat_response(text, stats, delta)
+
+    # ---------------------------------------------------------- completion
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Answer ``prompt`` as one user message (after ``system_prompt`` if set)."""
+        text, stats = self._run(self._prompt_request(prompt, kwargs))
+        return CompletionResponse(text=text, additional_kwargs=stats, raw=stats)
+
+    @llm_completion_callback()
+    def stream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseGen:
+        """Like ``complete``, yielding pieces; the last response has ``delta=""``."""
+        return self._completion_gen(self._open(self._prompt_request(prompt, kwargs)))
+
+    @llm_completion_callback()
+    async def acomplete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponse:
+        request = self._prompt_request(prompt, kwargs)
+        text, stats = await asyncio.to_thread(self._run, request)
+        return CompletionResponse(text=text, additional_kwargs=stats, raw=stats)
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        stream = await asyncio.to_thread(self._open, self._prompt_request(prompt, kwargs))
+        return iterate_in_thread(self._completion_gen(stream))
+
+    # ---------------------------------------------------------------- chat
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer the conversation; roles are kept and the chat template applied."""
+        text, stats = self._run(self._chat_request(messages, kwargs))
+        return _chat_response(text, stats)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """Like ``chat``, yielding pieces; the last response has ``delta=""``."""
+        return self._chat_gen(self._open(self._chat_request(messages, kwargs)))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        request = self._chat_request(messages, kwargs)
+        text, stats = await asyncio.to_thread(self._run, request)
+        return _chat_response(text, stats)
+
+    @llm_chat_callback()
+    async def astream_chat(
+        self, messages: Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
+        stream = await asyncio.to_thread(self._open, self._chat_request(messages, kwargs))
+        return iterate_in_thread(self._chat_gen(stream))
+
+
+def _chat_response(text: str, stats: dict[str, Any], delta: str | None = None) -> ChatResponse:
+    message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+    return ChatResponse(message=message, delta=delta, additional_kwargs=stats, raw=stats)
