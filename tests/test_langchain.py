@@ -264,17 +264,3 @@ async def test_errors_reach_the_caller(llm: ChatKVRAG) -> None:
     with pytest.raises(ValueError, match="unknown strategy"):
         [c async for c in llm.astream("Hello", strategy="nope")]
     assert llm.invoke("Hello", max_tokens=None).text  # None: the model's own setting
-
-
-@pytest.mark.slow
-def test_docs_examples_run() -> None:
-    """Every python block of docs/langchain.md runs, in order, in one namespace."""
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).parents[1] / "docs" / "langchain.md").read_text()
-    code = "\n".join(re.findall(r"```python\n(.*?)```", text, re.S))
-    namespace: dict[str, Any] = {}
-    exec(compile(code, "docs/langchain.md", "exec"), namespace)
-    assert namespace["llm"].last_result.reused_tokens > 0
-    assert namespace["best"][0].metadata["relevance_score"] is not None
