@@ -30,6 +30,7 @@ from kvrag_integrations.errors import (
     UnknownStrategyError,
     UnsupportedModelError,
 )
+from kvrag_integrations.rerank import KVReranker
 from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ __all__ = [
     "InvalidChunkError",
     "KVRAGEngine",
     "KVRAGError",
+    "KVReranker",
     "KVStore",
     "MemoryKVStore",
     "PrefillResult",

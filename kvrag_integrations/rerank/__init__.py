@@ -9,20 +9,18 @@ Example:
 
 from __future__ import annotations
 
-from kvrag_integrations.rerank.reranker import (
-    NO_VARIANTS,
-    YES_VARIANTS,
-    KVReranker,
-    RerankStats,
-    answer_token_ids,
-)
+from kvrag_integrations.rerank.reranker import KVReranker, RerankStats
 from kvrag_integrations.rerank.templates import (
     BGE_GEMMA_TEMPLATE,
     DEFAULT_TEMPLATE,
+    NO_VARIANTS,
     QWEN3_RERANKER_TEMPLATE,
     TEMPLATES,
+    YES_VARIANTS,
     RenderedTemplate,
     RerankTemplate,
+    TokenizedTemplate,
+    answer_token_ids,
     get_template,
 )
 
@@ -37,6 +35,7 @@ __all__ = [
     "RenderedTemplate",
     "RerankStats",
     "RerankTemplate",
+    "TokenizedTemplate",
     "answer_token_ids",
     "get_template",
 ]

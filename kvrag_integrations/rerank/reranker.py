@@ -27,13 +27,9 @@ import torch
 
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.kv import ChunkKV, cache_key
-from kvrag_integrations.engine.segments import tokenize_text
 from kvrag_integrations.errors import UnsupportedModelError
-from kvrag_integrations.rerank.templates import RerankTemplate, get_template
+from kvrag_integrations.rerank.templates import RerankTemplate, TokenizedTemplate, get_template
 from kvrag_integrations.store import KVStore
-
-YES_VARIANTS = ("yes", " yes", "Yes", " Yes", "YES", " YES")
-NO_VARIANTS = ("no", " no", "No", " No", "NO", " NO")
 
 _KEEP = object()  # "use the reranker's own top_n"
 
@@ -47,24 +43,6 @@ class RerankStats:
     prefixes_reused: int = 0  # prefix caches found in the store
     prefixes_encoded: int = 0  # prefix caches computed and stored
     forward_s: float = 0.0  # seconds in model forwards (encoding included)
-
-
-def answer_token_ids(tokenizer: Any, variants: Sequence[str]) -> list[int]:
-    """The ids of the ``variants`` that are a single token, deduplicated.
-
-    Example:
-        >>> class Tok:
-        ...     def __call__(self, text, add_special_tokens=False):
-        ...         return {"input_ids": [len(text)] if text.strip() == text else [0, 1]}
-        >>> answer_token_ids(Tok(), ["yes", " yes", "Yes"])
-        [3]
-    """
-    ids: list[int] = []
-    for word in variants:
-        tok = tokenizer(word, add_special_tokens=False)["input_ids"]
-        if len(tok) == 1 and tok[0] not in ids:
-            ids.append(int(tok[0]))
-    return ids
 
 
 def _check_top_n(top_n: Any) -> int | None:
@@ -90,9 +68,9 @@ class KVReranker:
     Example:
         >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
         >>> reranker = KVReranker(engine, top_n=1)  # doctest: +SKIP
-        >>> reranker.rerank("Capital of Australia?", ["Pasta is Italian.",
-        ...                 "Canberra is the capital of Australia."])  # doctest: +SKIP
-        [(1, 2.7...)]
+        >>> docs = ["Pasta is Italian.", "Canberra is the capital of Australia."]
+        >>> [i for i, _ in reranker.rerank("Capital of Australia?", docs)]  # doctest: +SKIP
+        [1]
     """
 
     def __init__(
@@ -112,20 +90,7 @@ class KVReranker:
         self.store: KVStore = store if store is not None else engine.store
         self.batch_size = batch_size
         self.stats = RerankStats()
-        tok = engine.tokenizer
-        parts = self.template.render(tok)
-        # A trailing space before the document is handed to the document's own
-        # text: byte-level BPE tokenizers glue a space to the next word, so this
-        # keeps the document's tokens what they are in running text.
-        self._doc_lead = " " if parts.before_document.endswith(" ") else ""
-        head = parts.before_document[: len(parts.before_document) - len(self._doc_lead)]
-        self._head_ids = tokenize_text(tok, head)
-        self._before_query = parts.before_query
-        self._after_query = parts.after_query
-        self._yes_ids = answer_token_ids(tok, YES_VARIANTS)
-        self._no_ids = answer_token_ids(tok, NO_VARIANTS)
-        if not self._yes_ids or not self._no_ids:
-            raise UnsupportedModelError("the tokenizer has no single-token 'yes' and 'no'")
+        self.prompt = TokenizedTemplate(self.template, engine.tokenizer)
 
     @classmethod
     def from_pretrained(
@@ -156,14 +121,12 @@ class KVReranker:
         return f"{self.engine.fingerprint}|rerank|{self.template.name}"
 
     def prefix_ids(self, document: str) -> torch.Tensor:
-        """Token ids of ``[instruction][document]``: each part tokenized alone."""
-        doc = tokenize_text(self.engine.tokenizer, self._doc_lead + document)
-        return torch.cat([self._head_ids, doc])
+        """Token ids of ``[instruction][document]`` (see ``TokenizedTemplate``)."""
+        return self.prompt.prefix_ids(document)
 
     def suffix_ids(self, query: str) -> torch.Tensor:
         """Token ids of everything after the document (never cached)."""
-        text = f"{self._before_query}{query}{self._after_query}"
-        return tokenize_text(self.engine.tokenizer, text)
+        return self.prompt.suffix_ids(query)
 
     def prefix_key(self, document: str) -> str:
         """The store key of ``document``'s prefix cache."""
@@ -174,6 +137,10 @@ class KVReranker:
         """Precompute and store prefix caches (e.g. at ingestion); returns how many were new.
 
         Empty documents are skipped: they are never scored by the model.
+
+        Example:
+            >>> reranker.encode_documents(["Canberra is the capital."])  # doctest: +SKIP
+            1
         """
         docs = self._check_documents(documents)
         unique = list(dict.fromkeys(d for d in docs if d.strip()))
@@ -194,9 +161,14 @@ class KVReranker:
             One float per document. An empty or whitespace-only document scores
             ``-inf`` without running the model; duplicates are scored once.
 
+        Raises:
+            TypeError: ``query`` or a document is not a str, or ``documents`` is one str.
+            ValueError: ``query`` is empty or whitespace only.
+            ContextWindowExceededError: a prompt does not fit the model's context.
+
         Example:
-            >>> reranker.score("Capital of Australia?", ["Canberra is."])  # doctest: +SKIP
-            [1.93...]
+            >>> reranker.score("Capital of Australia?", ["Canberra is.", ""])  # doctest: +SKIP
+            [-1.9..., -inf]
         """
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
@@ -214,10 +186,8 @@ class KVReranker:
         prefixes = [self.prefix_ids(d) for d in where]
         suffix = self.suffix_ids(query)
         self._check_fits(max(p.numel() for p in prefixes) + suffix.numel())
-        if reuse:
-            values = self._score_cached(self._prefix_caches(prefixes), suffix)
-        else:
-            values = self._score_full(prefixes, suffix)
+        kvs = self._prefix_caches(prefixes) if reuse else None
+        values = self._score_batches(prefixes, suffix, kvs)
         self.stats.scored += len(values)
         for indices, value in zip(where.values(), values, strict=True):
             for i in indices:
@@ -238,7 +208,7 @@ class KVReranker:
 
         Example:
             >>> reranker.rerank("Capital of Australia?", docs, top_n=2)  # doctest: +SKIP
-            [(3, 2.1...), (0, -1.4...)]
+            [(3, -1.9...), (0, -2.4...)]
         """
         limit = self.top_n if top_n is _KEEP else _check_top_n(top_n)
         scores = self.score(query, documents, reuse=reuse)
@@ -297,27 +267,22 @@ class KVReranker:
         device, dtype = self.engine.device, self.engine.loaded.dtype
         return [found[k].to(device, dtype) for k in keys]
 
-    def _score_cached(self, kvs: list[ChunkKV], suffix: torch.Tensor) -> list[float]:
-        """Scores with each prefix from its cache and only the suffix computed."""
-        out = [0.0] * len(kvs)
-        # Longest first, so rows of one batch have similar prefix lengths.
-        order = sorted(range(len(kvs)), key=lambda i: -kvs[i].num_tokens)
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start : start + self.batch_size]
-            batch = [kvs[i] for i in rows]
-            scores = self._forward([suffix] * len(rows), [kv.num_tokens for kv in batch], batch)
-            for i, value in zip(rows, scores, strict=True):
-                out[i] = value
-        return out
-
-    def _score_full(self, prefixes: list[torch.Tensor], suffix: torch.Tensor) -> list[float]:
-        """Scores by a plain forward of ``prefix + suffix`` ids (the reference)."""
+    def _score_batches(
+        self, prefixes: list[torch.Tensor], suffix: torch.Tensor, kvs: list[ChunkKV] | None
+    ) -> list[float]:
+        """Scores, in order: with ``kvs`` only the suffix is computed over each cached
+        prefix; without, a plain forward of ``prefix + suffix`` ids (the reference)."""
         out = [0.0] * len(prefixes)
+        # Longest first, so the rows of one batch have similar lengths (less padding).
         order = sorted(range(len(prefixes)), key=lambda i: -prefixes[i].numel())
         for start in range(0, len(order), self.batch_size):
             rows = order[start : start + self.batch_size]
-            ids = [torch.cat([prefixes[i], suffix]) for i in rows]
-            for i, value in zip(rows, self._forward(ids, [0] * len(rows), None), strict=True):
+            if kvs is None:
+                ids, lens, batch = [torch.cat([prefixes[i], suffix]) for i in rows], None, None
+            else:
+                ids, batch = [suffix] * len(rows), [kvs[i] for i in rows]
+                lens = [kv.num_tokens for kv in batch]
+            for i, value in zip(rows, self._forward(ids, lens, batch), strict=True):
                 out[i] = value
         return out
 
@@ -325,14 +290,15 @@ class KVReranker:
     def _forward(
         self,
         ids: list[torch.Tensor],
-        prefix_lens: list[int],
+        prefix_lens: list[int] | None,
         kvs: list[ChunkKV] | None,
     ) -> list[float]:
         """One batched forward; returns each row's score at its last token.
 
         Row ``r`` has ``prefix_lens[r]`` cached tokens (from ``kvs``) at positions
-        ``0..P_r-1`` and computes ``ids[r]`` at positions ``P_r..``.
+        ``0..P_r-1`` and computes ``ids[r]`` at positions ``P_r..`` (no cache: ``P_r = 0``).
         """
+        prefix_lens = prefix_lens or [0] * len(ids)
         lm = self.engine.model
         device = self.engine.device
         dtype = self.engine.loaded.dtype
@@ -377,30 +343,24 @@ class KVReranker:
             )
         self.stats.forward_s += time.perf_counter() - started
         logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-        yes = torch.logsumexp(logp[:, self._yes_ids], dim=-1)
-        no = torch.logsumexp(logp[:, self._no_ids], dim=-1)
+        yes = torch.logsumexp(logp[:, self.prompt.yes_ids], dim=-1)
+        no = torch.logsumexp(logp[:, self.prompt.no_ids], dim=-1)
         return (yes - no).cpu().tolist()
 
     def _batch_cache(self, kvs: list[ChunkKV], p_max: int) -> Any:
         """A DynamicCache with each row's prefix K/V, right-padded with zeros to ``p_max``."""
         from transformers import DynamicCache
 
-        first = kvs[0]
-        if all(kv.num_tokens == p_max for kv in kvs):
-            keys = torch.stack([kv.keys for kv in kvs], dim=1)  # [L, B, H, P, D]
-            values = torch.stack([kv.values for kv in kvs], dim=1)
-        else:
-            n_layers, n_heads, _, head_dim = first.keys.shape
-            shape = (n_layers, len(kvs), n_heads, p_max, head_dim)
-            keys = first.keys.new_zeros(shape)
-            values = first.values.new_zeros(shape)
-            for r, kv in enumerate(kvs):
-                keys[:, r, :, : kv.num_tokens] = kv.keys
-                values[:, r, :, : kv.num_tokens] = kv.values
+        n_layers, n_heads, _, head_dim = kvs[0].keys.shape
+        shape = (n_layers, len(kvs), n_heads, p_max, head_dim)  # [L, B, H, Pmax, D]
+        keys, values = kvs[0].keys.new_zeros(shape), kvs[0].values.new_zeros(shape)
+        for r, kv in enumerate(kvs):
+            keys[:, r, :, : kv.num_tokens] = kv.keys
+            values[:, r, :, : kv.num_tokens] = kv.values
         cache = DynamicCache()
         for layer in range(keys.shape[0]):
             cache.update(keys[layer], values[layer], layer)
         return cache
 
 
-__all__ = ["NO_VARIANTS", "YES_VARIANTS", "KVReranker", "RerankStats", "answer_token_ids"]
+__all__ = ["KVReranker", "RerankStats"]

@@ -15,8 +15,20 @@ text before the document is exactly what the model would see.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+from kvrag_integrations.engine.segments import tokenize_text
+from kvrag_integrations.errors import UnsupportedModelError
+
+# The answer words whose probabilities are compared; every casing that is one
+# token is counted (logsumexp), so the score does not hinge on the model's habit
+# of answering "Yes", " yes" or "YES".
+YES_VARIANTS = ("yes", " yes", "Yes", " Yes", "YES", " YES")
+NO_VARIANTS = ("no", " no", "No", " No", "NO", " NO")
 
 _DOC_SENTINEL = "\x00kvrag-rerank-document\x00"
 _QUERY_SENTINEL = "\x00kvrag-rerank-query\x00"
@@ -170,3 +182,63 @@ def get_template(template: str | RerankTemplate | None) -> RerankTemplate:
             f"unknown rerank template {template!r}; use one of {sorted(TEMPLATES)} "
             "or a RerankTemplate"
         ) from None
+
+
+def answer_token_ids(tokenizer: Any, variants: Sequence[str]) -> list[int]:
+    """The ids of the ``variants`` that are a single token, deduplicated.
+
+    Example:
+        >>> class Tok:
+        ...     def __call__(self, text, add_special_tokens=False):
+        ...         return {"input_ids": [len(text)] if text.strip() == text else [0, 1]}
+        >>> answer_token_ids(Tok(), ["yes", " yes", "Yes"])
+        [3]
+    """
+    ids: list[int] = []
+    for word in variants:
+        tok = tokenizer(word, add_special_tokens=False)["input_ids"]
+        if len(tok) == 1 and tok[0] not in ids:
+            ids.append(int(tok[0]))
+    return ids
+
+
+class TokenizedTemplate:
+    """A template bound to a tokenizer: prompt ids built segment by segment.
+
+    The prefix ids are the instruction's ids then the document's, each tokenized
+    alone, so a document's prefix (and its cache key) never depends on the query;
+    the suffix (text after the document, query, question) is tokenized as one
+    piece since it is never cached.
+
+    Example:
+        >>> tok = lambda text, add_special_tokens=False: {"input_ids": [len(text)]}
+        >>> p = TokenizedTemplate(get_template("bge-gemma"), tok)
+        >>> p.prefix_ids("Canberra").tolist()  # "A:" then " Canberra"
+        [2, 9]
+    """
+
+    def __init__(self, template: RerankTemplate, tokenizer: Any) -> None:
+        self.template = template
+        self.tokenizer = tokenizer
+        parts = template.render(tokenizer)
+        # A trailing space before the document is handed to the document's own
+        # text: byte-level BPE tokenizers glue a space to the next word, so this
+        # keeps the document's first token what it is in running text.
+        self.doc_lead = " " if parts.before_document.endswith(" ") else ""
+        head = parts.before_document[: len(parts.before_document) - len(self.doc_lead)]
+        self.head_ids = tokenize_text(tokenizer, head)
+        self.before_query = parts.before_query
+        self.after_query = parts.after_query
+        self.yes_ids = answer_token_ids(tokenizer, YES_VARIANTS)
+        self.no_ids = answer_token_ids(tokenizer, NO_VARIANTS)
+        if not self.yes_ids or not self.no_ids:
+            raise UnsupportedModelError("the tokenizer has no single-token 'yes' and 'no'")
+
+    def prefix_ids(self, document: str) -> torch.Tensor:
+        """Ids of ``[instruction][document]``: the cached, reusable part."""
+        doc = tokenize_text(self.tokenizer, self.doc_lead + document)
+        return torch.cat([self.head_ids, doc])
+
+    def suffix_ids(self, query: str) -> torch.Tensor:
+        """Ids of everything after the document, ending where the model answers."""
+        return tokenize_text(self.tokenizer, f"{self.before_query}{query}{self.after_query}")

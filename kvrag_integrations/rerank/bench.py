@@ -1,0 +1,193 @@
+"""Reranker benchmark: throughput with and without prefix reuse, and recall@3.
+
+On MuSiQue (``../shared/data/musique_dev.json``), each query's candidates are its
+own 10 passages plus 10 of the next item's (distractors), trimmed to about 250
+tokens. Prefix caches are precomputed first (timed apart, as ingestion would);
+then every query is scored with reuse and without, side by side in one run.
+
+Example:
+    python -m kvrag_integrations.rerank.bench --data ../shared/data/musique_dev.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from kvrag_integrations.bench.common import machine_info, markdown_table, trim_to_tokens
+from kvrag_integrations.rerank.reranker import KVReranker
+from kvrag_integrations.store import MemoryKVStore
+
+DEFAULT_DATA = Path("..") / "shared" / "data" / "musique_dev.json"
+
+
+def load_queries(
+    tokenizer: Any, data_path: str | os.PathLike, n_queries: int, n_candidates: int, n_tokens: int
+) -> list[dict[str, Any]]:
+    """Queries with candidates (own passages first, then the next item's) and gold flags."""
+    raw = json.loads(Path(data_path).read_text(encoding="utf-8"))
+    if len(raw) < 2:
+        raise ValueError("the benchmark needs at least two items")
+    out = []
+    for i, item in enumerate(raw[:n_queries]):
+        ctxs = item["ctxs"] + raw[(i + 1) % len(raw)]["ctxs"]
+        docs = []
+        for ctx in ctxs[:n_candidates]:
+            text = f"{ctx['title']}\n{ctx['text']}" if ctx.get("title") else ctx["text"]
+            docs.append(trim_to_tokens(tokenizer, text, n_tokens))
+        answers = [a.lower() for a in item["answers"] if a.strip()]
+        gold = [any(a in d.lower() for a in answers) for d in docs]
+        out.append({"question": item["question"], "docs": docs, "gold": gold})
+    return out
+
+
+def _hit_at(order: list[int], gold: list[bool], k: int) -> bool:
+    return any(gold[i] for i in order[:k])
+
+
+def run(
+    engine: Any,
+    data_path: str | os.PathLike,
+    n_queries: int = 5,
+    n_candidates: int = 20,
+    repeats: int = 1,
+    *,
+    batch_size: int = 16,
+    doc_tokens: int = 250,
+    template: str | None = None,
+) -> dict[str, Any]:
+    """Measure the reranker on MuSiQue; returns the numbers (see module docstring).
+
+    Args:
+        engine: a loaded ``KVRAGEngine``.
+        data_path: MuSiQue-format JSON.
+        n_queries: questions to rerank.
+        n_candidates: candidates per question (10 own passages, the rest the next item's).
+        repeats: times each query is scored per mode (all timed).
+        batch_size: candidates per forward.
+        doc_tokens: passages are trimmed to about this many tokens.
+        template: a rerank template preset (None: the default).
+
+    Returns:
+        A dict with throughputs (candidates/s), speedup, precompute time, recall@3
+        before and after reranking, and the largest reuse vs full score gap.
+    """
+    queries = load_queries(engine.tokenizer, data_path, n_queries, n_candidates, doc_tokens)
+    # An unbounded store of its own: the benchmark must not evict or be evicted.
+    reranker = KVReranker(
+        engine, store=MemoryKVStore(max_bytes=None), batch_size=batch_size, template=template
+    )
+    # Warm-up (first-call allocations, kernels) on a throwaway query, untimed.
+    reranker.score("warm-up", queries[0]["docs"][:2], reuse=False)
+    started = time.perf_counter()
+    encoded = reranker.encode_documents([d for q in queries for d in q["docs"]])
+    precompute_s = time.perf_counter() - started
+    encoded_base = reranker.stats.prefixes_encoded
+    times = {"reuse": 0.0, "full": 0.0}
+    scored, max_gap = 0, 0.0
+    hits_before = hits_after = answerable = 0
+    for q in queries:
+        for _ in range(max(1, repeats)):
+            results = {}
+            for mode in ("reuse", "full"):
+                t0 = time.perf_counter()
+                results[mode] = reranker.score(q["question"], q["docs"], reuse=mode == "reuse")
+                times[mode] += time.perf_counter() - t0
+            scored += len(q["docs"])
+            gaps = [abs(a - b) for a, b in zip(results["reuse"], results["full"], strict=True)]
+            max_gap = max(max_gap, *gaps)
+        scores = results["reuse"]
+        if any(q["gold"]):
+            answerable += 1
+            order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+            hits_before += _hit_at(list(range(len(scores))), q["gold"], 3)
+            hits_after += _hit_at(order, q["gold"], 3)
+    if reranker.stats.prefixes_encoded != encoded_base:
+        raise RuntimeError("a timed run encoded prefixes: the reuse timing is not clean")
+    n_docs = sum(len(q["docs"]) for q in queries)
+    return {
+        "queries": len(queries),
+        "candidates_per_query": n_candidates,
+        "doc_tokens": doc_tokens,
+        "batch_size": batch_size,
+        "repeats": repeats,
+        "template": reranker.template.name,
+        "mean_prefix_tokens": sum(
+            reranker.prefix_ids(d).numel() for q in queries for d in q["docs"]
+        )
+        / max(1, n_docs),
+        "mean_suffix_tokens": sum(reranker.suffix_ids(q["question"]).numel() for q in queries)
+        / len(queries),
+        "precompute_s": precompute_s,
+        "prefixes_precomputed": encoded,
+        "reuse_cands_per_s": scored / times["reuse"],
+        "full_cands_per_s": scored / times["full"],
+        "speedup": times["full"] / times["reuse"],
+        "max_abs_score_gap": max_gap,
+        "answerable_queries": answerable,
+        "recall@3_before": hits_before / answerable if answerable else float("nan"),
+        "recall@3_after": hits_after / answerable if answerable else float("nan"),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The result as a small Markdown table."""
+    rows = [
+        ["without reuse (full forward)", result["full_cands_per_s"], "", ""],
+        ["with reuse (prefix caches)", result["reuse_cands_per_s"], result["speedup"], ""],
+        ["retrieval order", "", "", result["recall@3_before"]],
+        ["reranked", "", "", result["recall@3_after"]],
+    ]
+    headers = ["", "candidates/s", "speedup", "recall@3"]
+    notes = (
+        f"\n\n{result['queries']} queries x {result['candidates_per_query']} candidates "
+        f"(~{result['mean_prefix_tokens']:.0f} prefix + ~{result['mean_suffix_tokens']:.0f} "
+        f"suffix tokens), batch {result['batch_size']}; precompute of "
+        f"{result['prefixes_precomputed']} prefixes: {result['precompute_s']:.2f} s; "
+        f"max |score(reuse) - score(full)| = {result['max_abs_score_gap']:.2e}; "
+        f"recall over {result['answerable_queries']} answerable queries."
+    )
+    return markdown_table(headers, rows) + notes
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: ``python -m kvrag_integrations.rerank.bench [--data PATH] ...``."""
+    parser = argparse.ArgumentParser(prog="python -m kvrag_integrations.rerank.bench")
+    parser.add_argument("--data", default=str(DEFAULT_DATA), help="MuSiQue-format JSON")
+    parser.add_argument("--model", default=None, help="HF id, path or .gguf (default: SmolLM2)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--template", default=None, help="rerank template preset")
+    parser.add_argument("--queries", type=int, default=5)
+    parser.add_argument("--candidates", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--doc-tokens", type=int, default=250)
+    parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    args = parser.parse_args(argv)
+
+    from kvrag_integrations.engine.engine import KVRAGEngine
+
+    engine = KVRAGEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    result = run(
+        engine,
+        args.data,
+        n_queries=args.queries,
+        n_candidates=args.candidates,
+        repeats=args.repeats,
+        batch_size=args.batch_size,
+        doc_tokens=args.doc_tokens,
+        template=args.template,
+    )
+    result["machine"] = machine_info(engine)
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
