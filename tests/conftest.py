@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# No model hub and no telemetry: tests must run on a machine without internet.
+# One setting for every chromadb client in the run (chromadb refuses two
+# in-process clients whose settings differ).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 
 from kvrag_integrations import KVRAGEngine
 

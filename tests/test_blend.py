@@ -50,16 +50,18 @@ def test_recompute_moves_logits_toward_full(engine: KVRAGEngine) -> None:
 
 def test_stats_report_recomputed_and_reused_tokens(engine: KVRAGEngine) -> None:
     engine.encode_chunks(CHUNKS, show_progress=False)
-    result = engine.generate(
-        question=QUESTION, chunks=CHUNKS, strategy="blend", recompute_ratio=0.2, max_new_tokens=4
-    )
+    kw = dict(question=QUESTION, chunks=CHUNKS, strategy="blend", recompute_ratio=0.2)
+    engine.generate(max_new_tokens=1, **kw)  # stores the prompt's leading-text cache
+    result = engine.generate(max_new_tokens=4, **kw)
     chunk_tokens = sum(
         len(engine.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in CHUNKS
     )
+    head = engine.prefill(**kw).prompt.pieces[0]
+    assert head.is_prefix  # the template header + instruction, cached exactly
     assert result.strategy == "blend"
     assert result.recomputed_tokens == round(0.2 * chunk_tokens)
-    assert result.reused_tokens + result.recomputed_tokens == chunk_tokens
-    assert result.prefilled_tokens == result.prompt_tokens - chunk_tokens
+    assert result.reused_tokens + result.recomputed_tokens == chunk_tokens + head.ids.numel()
+    assert result.prefilled_tokens == result.prompt_tokens - chunk_tokens - head.ids.numel()
     assert result.text
 
 

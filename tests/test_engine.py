@@ -71,17 +71,38 @@ def test_turbo_differs_from_full_when_text_precedes_chunk(engine: KVRAGEngine) -
 
 def test_turbo_reuses_chunk_tokens_and_reports_counts(engine: KVRAGEngine) -> None:
     engine.encode_chunks([TOWER, REEF], show_progress=False)
-    result = engine.generate(question=QUESTION, chunks=[TOWER, REEF], max_new_tokens=8)
+    kw = dict(question=QUESTION, chunks=[TOWER, REEF])
+    engine.generate(max_new_tokens=1, **kw)  # stores the leading text's cache
+    result = engine.generate(max_new_tokens=8, **kw)
     chunk_tokens = sum(engine.tokenize([Chunk(c)]).num_tokens for c in (TOWER, REEF))
+    head = engine.prefill(**kw).prompt.pieces[0]
+    assert head.is_prefix and not head.text.startswith(TOWER[:10])
     assert result.strategy == "turbo"
-    assert result.reused_tokens == chunk_tokens
+    assert result.reused_tokens == chunk_tokens + head.ids.numel()
     assert result.recomputed_tokens == 0
-    assert result.prefilled_tokens == result.prompt_tokens - chunk_tokens
+    assert result.prefilled_tokens == result.prompt_tokens - result.reused_tokens
     assert result.lazily_encoded_chunks == 0
     assert 0 < result.ttft_s <= result.total_s
     assert result.generated_tokens == len(result.token_ids) > 0
-    full = engine.generate(question=QUESTION, chunks=[TOWER, REEF], strategy="full")
+    full = engine.generate(strategy="full", **kw)
     assert full.reused_tokens == 0 and full.prefilled_tokens == full.prompt_tokens
+
+
+def test_prefix_caching_is_exact(engine: KVRAGEngine) -> None:
+    """Caching the text before the first chunk changes nothing but the work done."""
+    kw = dict(question=QUESTION, chunks=[TOWER, REEF], strategy="turbo")
+    plain = KVRAGEngine(engine.loaded, store=MemoryKVStore(), cache_prefix=False)
+    cached = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    first = cached.prefill(**kw)
+    assert first.lazily_encoded_chunks == 2  # the leading text is not counted as a chunk
+    again = cached.prefill(**kw)
+    plain.prefill(**kw)
+    reference = plain.prefill(**kw)
+    assert not reference.prompt.pieces[0].is_chunk
+    torch.testing.assert_close(again.logits, reference.logits, atol=1e-3, rtol=1e-4)
+    assert (
+        again.token_counts()[0] == reference.token_counts()[0] + again.prompt.pieces[0].ids.numel()
+    )
 
 
 def test_turbo_reordered_keeps_the_cache_consistent_with_positions(engine: KVRAGEngine) -> None:
@@ -92,7 +113,8 @@ def test_turbo_reordered_keeps_the_cache_consistent_with_positions(engine: KVRAG
     for piece in pre.prompt.pieces:
         n = piece.ids.numel()
         if piece.is_chunk and start + n < kv.num_tokens:
-            stored = engine.store.get(cache_key(engine.fingerprint, piece.ids), engine.fingerprint)
+            store = engine.prefix_store if piece.is_prefix else engine.store
+            stored = store.get(cache_key(engine.fingerprint, piece.ids), engine.fingerprint)
             expect = shift_keys(stored.keys, start, inv_freq)
             torch.testing.assert_close(kv.keys[:, :, start : start + n], expect)
             assert kv.positions[start].item() == start
@@ -106,7 +128,7 @@ def test_composite_positions_restart_each_chunk_at_zero(engine: KVRAGEngine) -> 
     starts = [0]
     for piece in pre.prompt.pieces:
         starts.append(starts[-1] + piece.ids.numel())
-    chunk_starts = [s for s, p in zip(starts, pre.prompt.pieces) if p.is_chunk]
+    chunk_starts = [s for s, p in zip(starts, pre.prompt.pieces) if p.is_chunk and not p.is_prefix]
     assert [pre.output.kv.positions[s].item() for s in chunk_starts] == [0, 0]
     result = engine.generate(
         question=QUESTION, chunks=[TOWER, REEF], positions="composite", max_new_tokens=4
@@ -282,11 +304,11 @@ def test_known_chunks_argument_and_altered_text(engine: KVRAGEngine) -> None:
     e = KVRAGEngine(engine.loaded, store=MemoryKVStore())
     text = f"{REEF}\n\nQuestion: How many reefs?"
     found = e.prefill(messages=[{"role": "user", "content": text}], known_chunks=[REEF])
-    assert [p.text for p in found.prompt.chunk_pieces] == [REEF]
+    assert [p.text for p in found.prompt.chunk_pieces if not p.is_prefix] == [REEF]
     altered = e.prefill(
         messages=[{"role": "user", "content": text.replace("coral", "Coral")}], known_chunks=[REEF]
     )
-    assert altered.prompt.chunk_pieces == []
+    assert altered.prompt.chunk_pieces == []  # no chunk found: no prefix caching either
     assert altered.token_counts()[0] == 0
 
 

@@ -8,7 +8,6 @@ from typing import Any
 import chromadb
 import pytest
 import torch
-from chromadb.config import Settings
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.messages.content import create_plaintext_block, create_text_block
@@ -51,7 +50,7 @@ def engine() -> KVRAGEngine:
 
 @pytest.fixture(scope="module")
 def collection(engine: KVRAGEngine) -> Any:
-    client = chromadb.EphemeralClient(settings=Settings(anonymized_telemetry=False))
+    client = chromadb.EphemeralClient()
     coll = client.create_collection(f"kvrag-lc-{uuid.uuid4().hex[:8]}", embedding_function=None)
     add_documents(coll, [Document(page_content=d, metadata={"n": i}) for i, d in enumerate(DOCS)],
                   engine, show_progress=False)  # fmt: skip
@@ -115,7 +114,8 @@ def test_lcel_chain_reuses_caches_and_matches_engine(
     assert result is not None and result.strategy == "turbo"
     docs = retriever.invoke(QUESTION)
     chunk_tokens = sum(r.num_tokens for r in engine.encode_chunks([d.page_content for d in docs]))
-    assert result.reused_tokens == chunk_tokens > 0
+    # reused = the retrieved chunks + the cached leading text (system prompt, header)
+    assert result.reused_tokens - result.reused_prefix_tokens == chunk_tokens > 0
     # The same prompt, given straight to the engine as role/content dicts.
     human = f"Context:\n{format_docs(docs)}\n\nQuestion: {QUESTION}"
     pre = engine.prefill(
@@ -132,11 +132,12 @@ def test_usage_and_response_metadata(engine: KVRAGEngine, llm: ChatKVRAG) -> Non
     usage, meta = msg.usage_metadata, msg.response_metadata
     assert usage is not None and meta is not None
     n_chunk = engine.encode_chunks([DOCS[0]], show_progress=False)[0].num_tokens
-    assert usage["input_token_details"]["cache_read"] == n_chunk
+    prefix = meta["reused_prefix_tokens"]
+    assert usage["input_token_details"]["cache_read"] == n_chunk + prefix
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     assert meta["model_name"] == engine.model_name == "SmolLM2-135M-Instruct"
     assert meta["strategy"] == "turbo" and meta["finish_reason"] in {"stop", "length"}
-    assert meta["ttft_s"] > 0 and meta["reused_tokens"] == n_chunk
+    assert meta["ttft_s"] > 0 and meta["reused_tokens"] == n_chunk + prefix
     blend = llm.invoke(f"{DOCS[0]}\n{QUESTION}", strategy="blend", recompute_ratio=0.5)
     assert blend.response_metadata["strategy"] == "blend"
     assert blend.response_metadata["recomputed_tokens"] > 0
@@ -150,7 +151,8 @@ def test_documents_kwarg_and_bind_mark_chunks(llm: ChatKVRAG) -> None:
     assert first.response_metadata["lazily_encoded_chunks"] == 1  # found, stored on the fly
     again = llm.bind(documents=[text]).invoke(prompt)
     n = llm.engine.encode_chunks([text], show_progress=False)[0].num_tokens
-    assert again.usage_metadata["input_token_details"]["cache_read"] == n
+    prefix = again.response_metadata["reused_prefix_tokens"]
+    assert again.usage_metadata["input_token_details"]["cache_read"] == n + prefix
 
 
 def test_content_blocks_with_cache_key(engine: KVRAGEngine, llm: ChatKVRAG) -> None:
@@ -173,7 +175,8 @@ def test_content_blocks_with_cache_key(engine: KVRAGEngine, llm: ChatKVRAG) -> N
     ]  # fmt: skip
     out = llm.invoke([message])
     n = sum(r.num_tokens for r in engine.encode_chunks([DOCS[1], DOCS[2]], show_progress=False))
-    assert out.usage_metadata["input_token_details"]["cache_read"] == n
+    prefix = out.response_metadata["reused_prefix_tokens"]
+    assert out.usage_metadata["input_token_details"]["cache_read"] == n + prefix
 
 
 def test_message_roles_and_refused_blocks(engine: KVRAGEngine) -> None:

@@ -12,7 +12,6 @@ from typing import Any
 
 import chromadb
 import pytest
-from chromadb.config import Settings
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_tests.integration_tests import (
     ChatModelIntegrationTests,
@@ -50,7 +49,7 @@ def anyio_backend() -> str:
 @functools.lru_cache(maxsize=1)
 def seeded_collection() -> Any:
     """A chromadb EphemeralClient collection with a few short documents (once per run)."""
-    client = chromadb.EphemeralClient(settings=Settings(anonymized_telemetry=False))
+    client = chromadb.EphemeralClient()
     collection = client.create_collection(
         f"kvrag-std-{uuid.uuid4().hex[:8]}", embedding_function=None
     )

@@ -63,6 +63,11 @@ def chunk_tokens(engine: KVRAGEngine, nodes: list[NodeWithScore]) -> int:
     )
 
 
+def chunk_reuse(llm: KVRAGLLM) -> int:
+    """Reused tokens of the last call less the cached leading text (system prompt, header)."""
+    return llm.last_stats["reused_tokens"] - llm.last_stats["reused_prefix_tokens"]
+
+
 def entry_path(store: DiskKVStore, key: str) -> Path:
     return Path(store.root) / key[:2] / f"{key}.safetensors"
 
@@ -107,7 +112,8 @@ def test_swapping_only_the_llm_reuses_the_retrieved_chunks(engine, index) -> Non
     response = ask(index, llm)
     stats = llm.last_stats
     assert "Canberra" in str(response)
-    assert stats["reused_tokens"] == chunk_tokens(engine, response.source_nodes) > 0
+    reused = stats["reused_tokens"] - stats["reused_prefix_tokens"]  # less the leading text
+    assert reused == chunk_tokens(engine, response.source_nodes) > 0
     assert stats["lazily_encoded_chunks"] == 0 and stats["strategy"] == "turbo"
     assert stats["prefilled_tokens"] + stats["reused_tokens"] == stats["prompt_tokens"]
     # The cache key is recorded but reaches neither the prompt nor the embedded text.
@@ -143,15 +149,15 @@ def test_first_token_logits_equal_the_engines_own(engine, index) -> None:
 def test_streaming_async_and_refine(engine, index) -> None:
     llm = KVRAGLLM(engine, strategy="turbo", max_new_tokens=8)
     answer = str(ask(index, llm))
-    expected = llm.last_stats["reused_tokens"]
+    expected = chunk_reuse(llm)
 
     streamed = ask(index, llm, streaming=True)
     assert "".join(streamed.response_gen) == answer
-    assert llm.last_stats["reused_tokens"] == expected
+    assert chunk_reuse(llm) == expected
 
     query_engine = index.as_query_engine(llm=llm, similarity_top_k=2)
     assert str(fresh(asyncio.run, query_engine.aquery(QUESTION))) == answer
-    assert llm.last_stats["reused_tokens"] == expected
+    assert chunk_reuse(llm) == expected
 
     async def astream() -> str:
         qe = index.as_query_engine(llm=llm, similarity_top_k=2, streaming=True)
@@ -159,12 +165,12 @@ def test_streaming_async_and_refine(engine, index) -> None:
         return "".join([token async for token in response.async_response_gen()])
 
     assert fresh(asyncio.run, astream()) == answer
-    assert llm.last_stats["reused_tokens"] == expected
+    assert chunk_reuse(llm) == expected
 
     refined = ask(index, llm, response_mode="refine")
     assert str(refined).strip()
     last_chunk = refined.source_nodes[-1:]  # the refine step's prompt holds the last chunk
-    assert llm.last_stats["reused_tokens"] == chunk_tokens(engine, last_chunk)
+    assert chunk_reuse(llm) == chunk_tokens(engine, last_chunk)
 
 
 # ------------------------------------------------------- damaged, foreign, restarted
@@ -233,7 +239,7 @@ def test_caches_survive_a_restart_next_to_a_persistent_chroma(engine, tmp_path) 
     llm = KVRAGLLM(restarted, strategy="turbo", max_new_tokens=8)
     response = ask(index, llm)
     assert llm.last_stats["lazily_encoded_chunks"] == 0
-    assert llm.last_stats["reused_tokens"] == chunk_tokens(restarted, response.source_nodes) > 0
+    assert chunk_reuse(llm) == chunk_tokens(restarted, response.source_nodes) > 0
     assert restarted.store.stats.writes == 0
     # Without the request's node texts nothing in the prompt is known as a chunk:
     blind = KVRAGEngine(engine.loaded, store=DiskKVStore(kv_dir))
@@ -248,7 +254,7 @@ def test_caches_survive_a_restart_next_to_a_persistent_chroma(engine, tmp_path) 
     llm = KVRAGLLM(other, strategy="turbo", max_new_tokens=8)
     fresh(RetrieverQueryEngine.from_args(retriever, llm=llm).query, QUESTION)
     assert llm.last_stats["lazily_encoded_chunks"] == 0
-    assert llm.last_stats["reused_tokens"] == chunk_tokens(other, nodes)
+    assert chunk_reuse(llm) == chunk_tokens(other, nodes)
 
 
 def test_retriever_encodes_missing_caches(engine, disk_engine) -> None:

@@ -28,6 +28,7 @@ from kvrag_integrations.engine.segments import (
     Segment,
     Text,
     TokenizedPrompt,
+    cache_leading_text,
     rag_user_segments,
     render_chat,
     tokenize_segments,
@@ -70,7 +71,17 @@ class PrefillResult:
 
     @property
     def lazily_encoded_chunks(self) -> int:
-        return len(self.lazy_keys)
+        """Chunks (not the cached leading text) encoded during this request."""
+        prefix = {cache_key(self.fingerprint, p.ids) for p in self.prompt.pieces if p.is_prefix}
+        return len(self.lazy_keys - prefix)
+
+    @property
+    def reused_prefix_tokens(self) -> int:
+        """Tokens of the cached leading text reused from the prefix store (part of reused)."""
+        head = self.prompt.pieces[0] if self.prompt.pieces else None
+        if head is None or not head.is_prefix:
+            return 0
+        return 0 if cache_key(self.fingerprint, head.ids) in self.lazy_keys else head.ids.numel()
 
     def token_counts(self) -> tuple[int, int, int]:
         """``(reused, recomputed, prefilled)``; lazily encoded chunks count as prefilled."""
@@ -124,12 +135,18 @@ class KVRAGEngine:
         'Paris'
     """
 
-    def __init__(self, loaded: LoadedModel, store: KVStore | None = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, store: KVStore | None = None, *, cache_prefix: bool = True
+    ) -> None:
         self.loaded = loaded
+        self.cache_prefix = cache_prefix
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
         self.store: KVStore = store if store is not None else MemoryKVStore()
+        # Caches of prompts' leading text (system prompt, template header,
+        # instruction): exact prefix caching, kept in process.
+        self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
         # Texts of chunks encoded by this engine, to find them in flat prompts.
         self.chunk_index = ChunkIndex()
         # One forward at a time: torch modules are not re-entrant across threads
@@ -247,9 +264,14 @@ class KVRAGEngine:
         return [ChunkRef(k, len(i)) for k, i in zip(keys, ids)]
 
     def _encode_and_store(
-        self, ids: list[torch.Tensor], batch_size: int, show_progress: bool
+        self,
+        ids: list[torch.Tensor],
+        batch_size: int,
+        show_progress: bool,
+        store: KVStore | None = None,
     ) -> dict[str, ChunkKV]:
-        """Encode ``ids`` alone (batched, longest first) and write them to the store."""
+        """Encode ``ids`` alone (batched, longest first) and write them to ``store``."""
+        store = store if store is not None else self.store
         done: dict[str, ChunkKV] = {}
         order = sorted(ids, key=len, reverse=True)
         bar = tqdm(
@@ -263,29 +285,34 @@ class KVRAGEngine:
                     kvs = encode_chunk_batch(self.model, batch, self.fingerprint, pad_id)
                 for kv in kvs:
                     done[kv.key] = kv
-                    self.store.put(kv)
+                    store.put(kv)
                 bar.update(len(batch))
         return done
 
     def _chunk_caches(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
         """Stored caches of the prompt's chunks; missing ones are encoded and stored.
 
+        The cached leading text (``piece.is_prefix``) lives in ``prefix_store``:
+        a few entries per template and system prompt, not worth a shared store.
         Returns the caches in chunk order and the keys that were encoded here.
         """
         found: dict[str, ChunkKV] = {}
-        missing: dict[str, torch.Tensor] = {}
+        missing: dict[str, tuple[torch.Tensor, KVStore]] = {}
         keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
         for key, piece in zip(keys, prompt.chunk_pieces):
             if key in found or key in missing:
                 continue
-            kv = self.store.get(key, self.fingerprint)
-            self.chunk_index.add(piece.text)
+            store = self.prefix_store if piece.is_prefix else self.store
+            kv = store.get(key, self.fingerprint)
+            if not piece.is_prefix:
+                self.chunk_index.add(piece.text)
             if kv is None:
-                missing[key] = piece.ids
+                missing[key] = (piece.ids, store)
             else:
                 found[key] = kv
-        if missing:
-            found.update(self._encode_and_store(list(missing.values()), 8, False))
+        for store in {id(s): s for _, s in missing.values()}.values():
+            todo = [ids for ids, s in missing.values() if s is store]
+            found.update(self._encode_and_store(todo, 8, False, store))
         dtype, device = self.loaded.dtype, self.device
         return [found[k].to(device, dtype) for k in keys], set(missing)
 
@@ -398,6 +425,8 @@ class KVRAGEngine:
         if prompt.num_tokens == 0:
             raise ValueError("the prompt is empty")
         self._check_fits(prompt.num_tokens, "the prompt", max_new_tokens)
+        if strat.uses_chunk_caches and self.cache_prefix:
+            prompt = cache_leading_text(prompt)
         kvs, lazy = self._chunk_caches(prompt) if strat.uses_chunk_caches else ([], set())
         with self._lock:
             output = strat.prefill(self.model, prompt, kvs)
@@ -462,6 +491,7 @@ class KVRAGEngine:
             reused_tokens=reused,
             recomputed_tokens=recomputed,
             prefilled_tokens=prefilled,
+            reused_prefix_tokens=pre.reused_prefix_tokens,
             first_token_logits=out.logits,
             lazily_encoded_chunks=pre.lazily_encoded_chunks,
         )

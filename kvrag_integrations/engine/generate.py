@@ -56,7 +56,8 @@ class GenerationResult:
     Attributes:
         text: the generated text (stop string excluded).
         ttft_s: seconds from the request to the first token's logits.
-        reused_tokens: prompt tokens whose stored K/V were used as is.
+        reused_tokens: prompt tokens whose stored K/V were used as is (chunk tokens
+            and the cached leading text).
         recomputed_tokens: cached tokens computed again (CacheBlend).
         prefilled_tokens: prompt tokens computed from scratch.
         generated_tokens: tokens decoded.
@@ -65,6 +66,8 @@ class GenerationResult:
         finish_reason: ``"stop"`` (EOS or stop string) or ``"length"``.
         total_s: seconds for the whole request.
         token_ids: the generated ids.
+        reused_prefix_tokens: the part of ``reused_tokens`` that is the prompt's
+            cached leading text (system prompt, template header, instruction).
         first_token_logits: float32 logits of the first generated token.
     """
 
@@ -81,6 +84,7 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     first_token_logits: torch.Tensor | None = field(default=None, repr=False)
     lazily_encoded_chunks: int = 0
+    reused_prefix_tokens: int = 0
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -95,6 +99,7 @@ class GenerationResult:
             "prefilled_tokens": self.prefilled_tokens,
             "generated_tokens": self.generated_tokens,
             "lazily_encoded_chunks": self.lazily_encoded_chunks,
+            "reused_prefix_tokens": self.reused_prefix_tokens,
             "finish_reason": self.finish_reason,
         }
 

@@ -62,11 +62,16 @@ def validate_chunk_text(text: Any) -> str:
 
 @dataclass
 class Piece:
-    """One tokenized segment."""
+    """One tokenized segment.
+
+    ``is_chunk`` pieces take their K/V from the store. ``is_prefix`` marks the
+    prompt's leading text when it is cached too (see ``cache_leading_text``).
+    """
 
     ids: torch.Tensor  # int64 [n]
     is_chunk: bool
     text: str
+    is_prefix: bool = False
 
 
 @dataclass
@@ -88,6 +93,21 @@ class TokenizedPrompt:
     @property
     def chunk_pieces(self) -> list[Piece]:
         return [p for p in self.pieces if p.is_chunk]
+
+
+def cache_leading_text(prompt: TokenizedPrompt) -> TokenizedPrompt:
+    """Mark the text before the first chunk as cacheable, like a chunk.
+
+    Nothing precedes it, so its cache encoded alone is exactly what a full
+    prefill computes (prefix caching): the system prompt, chat-template header
+    and instruction are then reused across requests instead of prefilled. Only
+    done when a chunk follows, so one-off prompts do not fill the store.
+    """
+    pieces = prompt.pieces
+    if len(pieces) < 2 or pieces[0].is_chunk or not any(p.is_chunk for p in pieces):
+        return prompt
+    head = pieces[0]
+    return TokenizedPrompt([Piece(head.ids, True, head.text, is_prefix=True), *pieces[1:]])
 
 
 def tokenize_text(tokenizer: Any, text: str) -> torch.Tensor:

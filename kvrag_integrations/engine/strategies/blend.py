@@ -86,10 +86,14 @@ class CacheBlend(Strategy):
             raise ValueError(f"check_layer {self.check_layer} >= the model's {n_layers} layers")
         kv, uncached = assemble(lm, prompt, chunk_kvs, self.positions)
         chunk_mask, _ = token_masks(kv.num_tokens, uncached, uncached)
+        # A cached leading prefix is exact (nothing precedes it): never a candidate.
+        candidates = chunk_mask.clone()
+        if prompt.pieces and prompt.pieces[0].is_prefix:
+            candidates[: prompt.pieces[0].ids.numel()] = False
         forced = self._chunk_starts(prompt, kv) if self.recompute_first else None
 
         def select(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, idx: torch.Tensor):
-            return self.pick(kv, layer, fresh_k, fresh_v, idx, chunk_mask, forced)
+            return self.pick(kv, layer, fresh_k, fresh_v, idx, candidates, forced)
 
         todo = with_last(uncached, kv.num_tokens)
         logits, computed = run_layers(lm, kv, todo, full_layers=self.check_layer, selector=select)
@@ -102,11 +106,11 @@ class CacheBlend(Strategy):
         fresh_k: torch.Tensor,
         fresh_v: torch.Tensor,
         idx: torch.Tensor,
-        chunk_mask: torch.Tensor,
+        candidates: torch.Tensor,
         forced: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Keep-mask over ``idx``: the top ``recompute_ratio`` cached tokens by deviation."""
-        cached = chunk_mask[idx]
+        """Keep-mask over ``idx``: the top ``recompute_ratio`` of ``candidates`` by deviation."""
+        cached = candidates[idx]
         n_keep = round(self.recompute_ratio * int(cached.sum()))
         keep = torch.zeros_like(cached)
         if forced is not None:
@@ -126,7 +130,7 @@ class CacheBlend(Strategy):
         forced = torch.zeros(kv.num_tokens, dtype=torch.bool, device=kv.keys.device)
         start = 0
         for piece in prompt.pieces:
-            if piece.is_chunk:
+            if piece.is_chunk and not piece.is_prefix:
                 forced[start : start + min(self.recompute_first, piece.ids.numel())] = True
             start += piece.ids.numel()
         return forced
