@@ -100,10 +100,19 @@ def _cpu_name() -> str:
 
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
-    """A GitHub Markdown table; floats get three significant decimals."""
+    """A GitHub Markdown table; floats get three significant digits (whole numbers from 100).
+
+    Example:
+        >>> print(markdown_table(["a", "b"], [[7184.2, 0.04567]]))
+        | a | b |
+        |---|---|
+        | 7184 | 0.0457 |
+    """
 
     def cell(v: Any) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+        if isinstance(v, float):
+            return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+        return str(v)
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]

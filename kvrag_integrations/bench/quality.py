@@ -23,6 +23,22 @@ DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+# The CacheBlend refinements side by side at the default ratio (issue #3's
+# question: which of K vs V deviation, EPIC-style chunk-start recompute and a
+# later check layer helps).
+ABLATION: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("blend", {"recompute_ratio": 0.15}),
+    ("blend", {"recompute_ratio": 0.15, "deviation": "key"}),
+    ("blend", {"recompute_ratio": 0.15, "deviation": "both"}),
+    ("blend", {"recompute_ratio": 0.15, "recompute_first": 4}),
+    ("blend", {"recompute_ratio": 0.15, "check_layer": 2}),
+]
+
+PRESETS = {"default": DEFAULT_STRATEGIES, "ablation": ABLATION}
+
+
 def label(name: str, options: dict[str, Any]) -> str:
     """``blend@0.15`` style names for table rows."""
     if name == "blend" and set(options) == {"recompute_ratio"}:

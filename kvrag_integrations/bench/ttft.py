@@ -6,9 +6,16 @@ import statistics
 from typing import Any
 
 from kvrag_integrations.bench.common import RagItem, markdown_table, timed, trim_to_tokens
+from kvrag_integrations.bench.quality import label
 from kvrag_integrations.engine.engine import KVRAGEngine
 
-DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [("full", {}), ("turbo", {})]
+DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("blend", {"recompute_ratio": 0.05}),
+    ("blend", {"recompute_ratio": 0.15}),
+    ("blend", {"recompute_ratio": 0.3}),
+]
 
 
 def run(
@@ -41,14 +48,14 @@ def run(
         for name, options in strategies:
             request = dict(question=question, chunks=chunks, strategy=name, **options)
             ttft, _ = timed(lambda r=request: engine.generate(max_new_tokens=1, **r), repeats)
-            per_strategy.setdefault(_label(name, options), []).append(ttft)
+            per_strategy.setdefault(label(name, options), []).append(ttft)
         pre = engine.prefill(question=question, chunks=chunks, strategy="full")
         prompt_tokens.append(pre.prompt.num_tokens)
     base = statistics.median(per_strategy["full"])
     rows = []
-    for label, values in per_strategy.items():
+    for name, values in per_strategy.items():
         med = statistics.median(values)
-        rows.append({"strategy": label, "ttft_ms": med * 1000, "speedup": base / med})
+        rows.append({"strategy": name, "ttft_ms": med * 1000, "speedup": base / med})
     return {
         "items": len(prompts),
         "chunks_per_prompt": n_chunks,
@@ -58,12 +65,6 @@ def run(
         "encode_s_per_chunk": encode_s / max(1, len(set(all_chunks))),
         "results": rows,
     }
-
-
-def _label(name: str, options: dict[str, Any]) -> str:
-    if not options:
-        return name
-    return name + "(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")"
 
 
 def table(payload: dict[str, Any]) -> str:

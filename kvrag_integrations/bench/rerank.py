@@ -6,42 +6,32 @@ tokens. Prefix caches are precomputed first (timed apart, as ingestion would);
 then every query is scored with reuse and without, side by side in one run.
 
 Example:
-    python -m kvrag_integrations.rerank.bench --data ../shared/data/musique_dev.json
+    python -m kvrag_integrations.bench rerank --items 5
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
-from kvrag_integrations.bench.common import machine_info, markdown_table, trim_to_tokens
+from kvrag_integrations.bench.common import RagItem, markdown_table, trim_to_tokens
 from kvrag_integrations.rerank.reranker import KVReranker
 from kvrag_integrations.store import MemoryKVStore
 
-DEFAULT_DATA = Path("..") / "shared" / "data" / "musique_dev.json"
-
 
 def load_queries(
-    tokenizer: Any, data_path: str | os.PathLike, n_queries: int, n_candidates: int, n_tokens: int
+    tokenizer: Any, items: list[RagItem], n_candidates: int, n_tokens: int
 ) -> list[dict[str, Any]]:
     """Queries with candidates (own passages first, then the next item's) and gold flags."""
-    raw = json.loads(Path(data_path).read_text(encoding="utf-8"))
-    if len(raw) < 2:
-        raise ValueError("the benchmark needs at least two items")
+    if len(items) < 2:
+        raise ValueError("the rerank benchmark needs at least two items")
     out = []
-    for i, item in enumerate(raw[:n_queries]):
-        ctxs = item["ctxs"] + raw[(i + 1) % len(raw)]["ctxs"]
-        docs = []
-        for ctx in ctxs[:n_candidates]:
-            text = f"{ctx['title']}\n{ctx['text']}" if ctx.get("title") else ctx["text"]
-            docs.append(trim_to_tokens(tokenizer, text, n_tokens))
-        answers = [a.lower() for a in item["answers"] if a.strip()]
+    for i, item in enumerate(items):
+        pool = item.chunks + items[(i + 1) % len(items)].chunks
+        docs = [trim_to_tokens(tokenizer, text, n_tokens) for text in pool[:n_candidates]]
+        answers = [a.lower() for a in item.answers if a.strip()]
         gold = [any(a in d.lower() for a in answers) for d in docs]
-        out.append({"question": item["question"], "docs": docs, "gold": gold})
+        out.append({"question": item.question, "docs": docs, "gold": gold})
     return out
 
 
@@ -51,32 +41,31 @@ def _hit_at(order: list[int], gold: list[bool], k: int) -> bool:
 
 def run(
     engine: Any,
-    data_path: str | os.PathLike,
-    n_queries: int = 5,
-    n_candidates: int = 20,
-    repeats: int = 1,
+    items: list[RagItem],
     *,
+    n_chunks: int = 20,
+    chunk_tokens: int = 250,
+    repeats: int = 1,
     batch_size: int = 16,
-    doc_tokens: int = 250,
     template: str | None = None,
 ) -> dict[str, Any]:
-    """Measure the reranker on MuSiQue; returns the numbers (see module docstring).
+    """Measure the reranker on MuSiQue-style items; returns the numbers.
 
     Args:
         engine: a loaded ``KVRAGEngine``.
-        data_path: MuSiQue-format JSON.
-        n_queries: questions to rerank.
-        n_candidates: candidates per question (10 own passages, the rest the next item's).
+        items: questions (at least two: the next item's passages are distractors).
+        n_chunks: candidates per question (its own passages first, then the next item's).
+        chunk_tokens: passages are trimmed to about this many tokens.
         repeats: times each query is scored per mode (all timed).
         batch_size: candidates per forward.
-        doc_tokens: passages are trimmed to about this many tokens.
         template: a rerank template preset (None: the default).
 
     Returns:
         A dict with throughputs (candidates/s), speedup, precompute time, recall@3
         before and after reranking, and the largest reuse vs full score gap.
     """
-    queries = load_queries(engine.tokenizer, data_path, n_queries, n_candidates, doc_tokens)
+    n_candidates, doc_tokens = n_chunks, chunk_tokens
+    queries = load_queries(engine.tokenizer, items, n_candidates, doc_tokens)
     # An unbounded store of its own: the benchmark must not evict or be evicted.
     reranker = KVReranker(
         engine, store=MemoryKVStore(max_bytes=None), batch_size=batch_size, template=template
@@ -152,42 +141,3 @@ def table(result: dict[str, Any]) -> str:
         f"recall over {result['answerable_queries']} answerable queries."
     )
     return markdown_table(headers, rows) + notes
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Command line: ``python -m kvrag_integrations.rerank.bench [--data PATH] ...``."""
-    parser = argparse.ArgumentParser(prog="python -m kvrag_integrations.rerank.bench")
-    parser.add_argument("--data", default=str(DEFAULT_DATA), help="MuSiQue-format JSON")
-    parser.add_argument("--model", default=None, help="HF id, path or .gguf (default: SmolLM2)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--template", default=None, help="rerank template preset")
-    parser.add_argument("--queries", type=int, default=5)
-    parser.add_argument("--candidates", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--doc-tokens", type=int, default=250)
-    parser.add_argument("--json", default=None, help="also write the numbers to this file")
-    args = parser.parse_args(argv)
-
-    from kvrag_integrations.engine.engine import KVRAGEngine
-
-    engine = KVRAGEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    result = run(
-        engine,
-        args.data,
-        n_queries=args.queries,
-        n_candidates=args.candidates,
-        repeats=args.repeats,
-        batch_size=args.batch_size,
-        doc_tokens=args.doc_tokens,
-        template=args.template,
-    )
-    result["machine"] = machine_info(engine)
-    print(table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
-
-
-if __name__ == "__main__":
-    main()

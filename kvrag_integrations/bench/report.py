@@ -1,0 +1,98 @@
+"""Turn a folder of suite results into docs/benchmarks.md and the README table.
+
+``python -m kvrag_integrations.bench report --results docs/bench`` reads the
+``<suite>.json`` files the suites wrote, renders each suite's table with the
+command and machine that produced it, writes ``docs/benchmarks.md`` and
+replaces the README block between ``<!-- bench:start -->`` and
+``<!-- bench:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from kvrag_integrations.bench import quality, rerank, ttft
+
+SECTIONS = [
+    ("ttft", ttft, "Time to first token by strategy"),
+    ("quality", quality, "Speed and fidelity on MuSiQue (whole passages)"),
+    ("quality-ablation", quality, "CacheBlend refinements at recompute ratio 0.15"),
+    ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
+]
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def load(results: Path) -> dict[str, dict[str, Any]]:
+    """The suite payloads found in ``results`` (missing suites are left out)."""
+    found = {}
+    for name, _, _ in SECTIONS:
+        path = results / f"{name}.json"
+        if path.is_file():
+            found[name] = json.loads(path.read_text())
+    return found
+
+
+def _machine(payload: dict[str, Any]) -> str:
+    m = payload.get("machine", {})
+    where = m.get("gpu") or f"{m.get('cpu', '?')} CPU, {m.get('cpu_threads', '?')} threads"
+    return (
+        f"{m.get('model', '?')} ({m.get('dtype', '?')}) on {where}; torch {m.get('torch', '?')}, "
+        f"transformers {m.get('transformers', '?')}; {m.get('date', '?')}"
+    )
+
+
+def section(name: str, payload: dict[str, Any]) -> str:
+    """One suite's table with its provenance."""
+    module, title = next((m, t) for n, m, t in SECTIONS if n == name)
+    lines = [
+        f"## {title}",
+        "",
+        module.table(payload),
+        "",
+        f"Command: `{payload.get('command', '?')}`  ",
+        f"Machine: {_machine(payload)}  ",
+    ]
+    facts = {k: v for k, v in payload.items() if k not in {"results", "machine", "command"}}
+    if facts:
+        lines.append("Setup: " + ", ".join(f"{k}={_fmt(v)}" for k, v in facts.items()))
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def readme_block(found: dict[str, dict[str, Any]]) -> str:
+    """The README's benchmark summary: the TTFT table (and quality, when measured)."""
+    parts = []
+    for name in ("ttft", "quality"):
+        if name in found:
+            parts.append(section(name, found[name]).replace("## ", "### ", 1))
+    parts.append("More, and how each number is measured: [docs/benchmarks.md](docs/benchmarks.md).")
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvrag_integrations.bench report")
+    parser.add_argument("--results", default="docs/bench", help="folder of <suite>.json files")
+    parser.add_argument("--docs", default="docs/benchmarks.md")
+    parser.add_argument("--readme", default="README.md")
+    args = parser.parse_args(argv)
+    found = load(Path(args.results))
+    if not found:
+        raise SystemExit(f"no suite results in {args.results}")
+    docs = Path(args.docs)
+    head = docs.read_text().split(START)[0] if docs.is_file() else "# Benchmarks\n\n"
+    body = "\n\n".join(section(n, p) for n, p in found.items())
+    docs.write_text(f"{head.rstrip()}\n\n{START}\n{body}\n{END}\n")
+    readme = Path(args.readme)
+    text = readme.read_text()
+    if START in text and END in text:
+        block = f"{START}\n{readme_block(found)}\n{END}"
+        pattern = re.escape(START) + ".*?" + re.escape(END)
+        readme.write_text(re.sub(pattern, lambda _: block, text, flags=re.S))
+    print(f"wrote {docs} and the README table from {len(found)} suites")
