@@ -31,7 +31,13 @@ from kvrag_integrations.errors import (
     UnsupportedModelError,
 )
 from kvrag_integrations.rerank import KVReranker
-from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore
+from kvrag_integrations.store import (
+    DiskKVStore,
+    KVStore,
+    MemoryKVStore,
+    RedisKVStore,
+    TieredKVStore,
+)
 
 __version__ = "0.1.0"
 
@@ -52,10 +58,12 @@ __all__ = [
     "KVStore",
     "MemoryKVStore",
     "PrefillResult",
+    "RedisKVStore",
     "SamplingParams",
     "StoreWriteError",
     "Strategy",
     "Text",
+    "TieredKVStore",
     "UnknownStrategyError",
     "UnsupportedModelError",
     "__version__",

@@ -37,7 +37,7 @@ from kvrag_integrations.engine.segments import (
 )
 from kvrag_integrations.engine.spans import ChunkIndex
 from kvrag_integrations.engine.strategies import PrefillOutput, Strategy, make_strategy
-from kvrag_integrations.errors import ContextWindowExceededError
+from kvrag_integrations.errors import ContextWindowExceededError, StoreWriteError
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
@@ -269,10 +269,17 @@ class KVRAGEngine:
         batch_size: int,
         show_progress: bool,
         store: KVStore | None = None,
+        lazy: bool = False,
     ) -> dict[str, ChunkKV]:
-        """Encode ``ids`` alone (batched, longest first) and write them to ``store``."""
+        """Encode ``ids`` alone (batched, longest first) and write them to ``store``.
+
+        Ingestion raises ``StoreWriteError`` when a write fails. A lazy fill
+        (``lazy``: chunks missing at query time) only logs it and returns the
+        caches: the answer matters more than storing them.
+        """
         store = store if store is not None else self.store
         done: dict[str, ChunkKV] = {}
+        writable = True
         order = sorted(ids, key=len, reverse=True)
         bar = tqdm(
             total=len(order), desc="Encoding chunk caches", unit="chunk", disable=not show_progress
@@ -285,7 +292,14 @@ class KVRAGEngine:
                     kvs = encode_chunk_batch(self.model, batch, self.fingerprint, pad_id)
                 for kv in kvs:
                     done[kv.key] = kv
-                    store.put(kv)
+                    try:
+                        if writable:  # after one failure, don't wait on every other put
+                            store.put(kv)
+                    except StoreWriteError as exc:
+                        if not lazy:
+                            raise
+                        writable = False
+                        logger.warning("chunk caches not stored (%s); answering uncached", exc)
                 bar.update(len(batch))
         return done
 
@@ -312,7 +326,7 @@ class KVRAGEngine:
                 found[key] = kv
         for store in {id(s): s for _, s in missing.values()}.values():
             todo = [ids for ids, s in missing.values() if s is store]
-            found.update(self._encode_and_store(todo, 8, False, store))
+            found.update(self._encode_and_store(todo, 8, False, store, lazy=True))
         dtype, device = self.loaded.dtype, self.device
         return [found[k].to(device, dtype) for k in keys], set(missing)
 
@@ -352,6 +366,9 @@ class KVRAGEngine:
         if messages is not None:
             chat += [self._message(m, known_chunks) for m in messages]
         elif segments is not None:
+            bad = [type(x).__name__ for x in segments if not isinstance(x, (Text, Chunk))]
+            if bad:
+                raise TypeError(f"segments must be Text or Chunk, got {bad[0]}")
             chat.append(("user", list(segments)))
         else:
             chat.append(("user", rag_user_segments(question, list(chunks or []), instruction)))

@@ -1,4 +1,8 @@
-"""Where precomputed chunk KV caches live: in memory (LRU) or on disk (safetensors)."""
+"""Where precomputed chunk KV caches live: memory (LRU), disk, Redis, or tiered.
+
+``RedisKVStore`` is always importable; constructing one needs the ``redis``
+extra (``pip install 'kvrag-integrations[redis]'``).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,17 @@ from kvrag_integrations.store.base import KVStore, StoreStats
 from kvrag_integrations.store.codec import FORMAT_VERSION, decode_entry, encode_entry
 from kvrag_integrations.store.disk import DiskKVStore
 from kvrag_integrations.store.memory import MemoryKVStore
+from kvrag_integrations.store.redis import RedisKVStore
+from kvrag_integrations.store.tiered import TieredKVStore
 
 __all__ = [
     "FORMAT_VERSION",
     "DiskKVStore",
     "KVStore",
     "MemoryKVStore",
+    "RedisKVStore",
     "StoreStats",
+    "TieredKVStore",
     "decode_entry",
     "encode_entry",
 ]

@@ -50,7 +50,7 @@ class DiskKVStore(KVStore):
         self.root = Path(root)
 
     def _path(self, key: str) -> Path:
-        if not isinstance(key, str) or not _KEY_RE.match(key):
+        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
             raise ValueError(f"invalid cache key {key!r}: expected 64 lowercase hex characters")
         return self.root / key[:2] / f"{key}{_SUFFIX}"
 
@@ -104,7 +104,7 @@ class DiskKVStore(KVStore):
             for path in sorted(shard.iterdir()):
                 # Skips temp files of in-flight writes and anything not named by a key.
                 key = path.name[: -len(_SUFFIX)]
-                if path.name.endswith(_SUFFIX) and _KEY_RE.match(key) and key[:2] == shard.name:
+                if path.name.endswith(_SUFFIX) and _KEY_RE.fullmatch(key) and key[:2] == shard.name:
                     yield key, path
 
     def keys(self) -> Iterator[str]:

@@ -1,0 +1,256 @@
+"""Redis store: self-verifying safetensors values, split into parts when large."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.errors import CacheEntryError, StoreWriteError
+from kvrag_integrations.store.base import KVStore
+from kvrag_integrations.store.codec import decode_entry, encode_entry
+
+try:  # the optional ``redis`` extra: the package imports without it
+    import redis as redis_lib
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError:  # pragma: no cover - exercised only where redis is not installed
+    redis_lib = None
+
+logger = logging.getLogger(__name__)
+
+_KEY_RE = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: "$" would accept a final "\n"
+# A split entry's main value starts with this; a safetensors blob never does (its
+# first 8 bytes are a little-endian header length, these would mean ~5e18 bytes).
+_MANIFEST_MAGIC = b"KVRAG-PARTS-V1\n"
+_MANIFEST_PEEK = 1024  # bytes read to tell a manifest from a blob without fetching the blob
+_REDIS_MAX_VALUE = 512 * 2**20  # Redis refuses bulk values above this (proto-max-bulk-len)
+_MAX_PARTS = 65_536  # 4 TiB at the default part size: far beyond any chunk cache
+# Parts of an overwritten split entry expire after this grace period instead of at
+# once, so a reader that already holds the old manifest can still fetch them.
+_STALE_PART_GRACE_MS = 60_000
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+class RedisKVStore(KVStore):
+    """Entries live in Redis under ``prefix + key``, as ``store.codec`` bytes.
+
+    Shared by every worker that points at the same server, so a chunk encoded by
+    one is reused by all. Values are checked exactly as on disk (checksum,
+    fingerprint, key); keys are 64-hex hashes only, never user text. An entry
+    larger than ``max_value_bytes`` is split: its parts are written first (under
+    ``prefix + key + ":part:<sha256[:16]>:<i>"``), then a small manifest under the
+    entry's key recording the part count, sizes and the sha256 of the whole; a
+    missing or damaged part makes the entry a miss. Every value gets the same TTL.
+    A write is one optimistic transaction (WATCH, then MULTI/EXEC), so concurrent
+    writers of one entry leave one whole entry and no orphaned parts; the parts
+    of an overwritten entry expire a minute later (readers may still hold them).
+
+    A dead or unreachable server never hangs a request (1 s socket timeouts, one
+    retry): ``get`` is then a miss and ``contains`` is False, ``put`` raises
+    ``StoreWriteError`` (``keys``, ``delete`` and ``len`` raise redis' own
+    errors). The client reconnects by itself once the server is back.
+
+    Args:
+        url: the server, ``redis://host:port/db`` (ignored when ``client`` is given).
+        client: a ready ``redis.Redis`` (``decode_responses=False``) to use instead.
+        prefix: put before every Redis key, e.g. one per deployment.
+        ttl_s: seconds an entry lives after it is written, or ``None`` for ever.
+        max_value_bytes: the largest single Redis value; bigger entries are split.
+        socket_timeout: seconds to wait on the server (connect and each read/write).
+
+    Example:
+        >>> import torch
+        >>> from kvrag_integrations.engine.kv import ChunkKV
+        >>> kv = ChunkKV(torch.arange(3), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), "fp")
+        >>> store = RedisKVStore("redis://127.0.0.1:6379/0", ttl_s=3600)  # doctest: +SKIP
+        >>> key = store.put(kv)  # doctest: +SKIP
+        >>> torch.equal(store.get(key, "fp").keys, kv.keys)  # doctest: +SKIP
+        True
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://localhost:6379/0",
+        *,
+        client: Any = None,
+        prefix: str = "kvrag:",
+        ttl_s: float | None = None,
+        max_value_bytes: int = 64 * 2**20,
+        socket_timeout: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if redis_lib is None:
+            raise ImportError(
+                "RedisKVStore needs the redis client: pip install 'kvrag-integrations[redis]'"
+            )
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        if isinstance(max_value_bytes, bool) or not 0 < max_value_bytes <= _REDIS_MAX_VALUE:
+            raise ValueError(f"max_value_bytes must be in [1, {_REDIS_MAX_VALUE}]")
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.max_value_bytes = int(max_value_bytes)
+        self._owns_client = client is None
+        if client is None:
+            # One quick retry covers a pooled connection the server dropped (restart);
+            # more, with backoff (redis-py's default), would stall requests for seconds.
+            client = redis_lib.Redis.from_url(
+                url,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=socket_timeout,
+                retry=Retry(NoBackoff(), 1),
+            )
+        self.client = client
+        self._down = (redis_lib.ConnectionError, redis_lib.TimeoutError)
+
+    # ------------------------------------------------------------- keys
+    def _rkey(self, key: str) -> str:
+        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+            raise ValueError(f"invalid cache key {key!r}: expected 64 lowercase hex characters")
+        return self.prefix + key
+
+    def _part_keys(self, rkey: str, digest: str, count: int) -> list[str]:
+        return [f"{rkey}:part:{digest[:16]}:{i}" for i in range(count)]
+
+    @property
+    def _px(self) -> int | None:
+        return None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+
+    # ------------------------------------------------------- manifests
+    def _manifest(self, blob: bytes, rkey: str) -> tuple[dict[str, Any], list[str]]:
+        """Parse a manifest value; raise ``CacheEntryError`` if it is malformed."""
+        try:
+            meta = json.loads(blob[len(_MANIFEST_MAGIC) :])
+            size, part, count, digest = (meta[k] for k in ("size", "part", "count", "sha256"))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CacheEntryError(f"split-entry manifest is malformed: {exc}") from exc
+        ints_ok = all(isinstance(v, int) and v > 0 for v in (size, part, count))
+        if not ints_ok or not isinstance(digest, str) or not _KEY_RE.fullmatch(digest):
+            raise CacheEntryError("split-entry manifest has invalid fields")
+        # A damaged manifest must not make us build or fetch millions of keys.
+        if count != -(-size // part) or count > _MAX_PARTS or part > _REDIS_MAX_VALUE:
+            raise CacheEntryError("split-entry manifest sizes are inconsistent or too large")
+        return meta, self._part_keys(rkey, digest, count)
+
+    def _old_parts(self, client: Any, rkey: str) -> list[str]:
+        """Part keys of the split entry now under ``rkey`` (reads only its first bytes)."""
+        head = client.getrange(rkey, 0, _MANIFEST_PEEK - 1)
+        if not head or not head.startswith(_MANIFEST_MAGIC):
+            return []
+        try:
+            return self._manifest(client.get(rkey) or b"", rkey)[1]
+        except CacheEntryError:
+            return []
+
+    # ---------------------------------------------------------- KVStore
+    def get(self, key: str, fingerprint: str) -> ChunkKV | None:
+        """Like ``KVStore.get``; raises ``ValueError`` for a key that is not a hash."""
+        self._rkey(key)  # validate before the base class turns every error into a miss
+        return super().get(key, fingerprint)
+
+    def contains(self, key: str) -> bool:
+        """Whether a value exists under ``key`` (False while the server is down)."""
+        rkey = self._rkey(key)
+        try:
+            return bool(self.client.exists(rkey))
+        except self._down as exc:
+            logger.warning("redis unreachable (%s); treating %s as absent", exc, key[:16])
+            return False
+
+    def _get(self, key: str) -> ChunkKV | None:
+        rkey = self._rkey(key)
+        try:
+            blob = self.client.get(rkey)
+            if blob is not None and blob.startswith(_MANIFEST_MAGIC):
+                blob = self._join_parts(blob, rkey)
+        except self._down as exc:
+            # A miss, not a bad entry: nothing to delete, the engine just recomputes.
+            logger.warning("redis unreachable (%s); cache entry %s is a miss", exc, key[:16])
+            return None
+        return None if blob is None else decode_entry(blob)
+
+    def _join_parts(self, manifest: bytes, rkey: str) -> bytes:
+        meta, part_keys = self._manifest(manifest, rkey)
+        parts = self.client.mget(part_keys)
+        missing = [i for i, p in enumerate(parts) if p is None]
+        if missing:
+            raise CacheEntryError(f"split entry lacks part(s) {missing} of {len(parts)}")
+        blob = b"".join(parts)
+        if len(blob) != meta["size"] or hashlib.sha256(blob).hexdigest() != meta["sha256"]:
+            raise CacheEntryError("split entry's parts do not match its manifest checksum")
+        return blob
+
+    def _put(self, key: str, kv: ChunkKV) -> None:
+        rkey = self._rkey(key)
+        blob = encode_entry(kv)
+        try:
+            for _ in range(3):
+                try:
+                    self._write(rkey, blob)
+                    return
+                except redis_lib.WatchError:
+                    # Another writer changed this key meanwhile (or the connection
+                    # dropped mid-transaction). Same key means same tokens and model, so
+                    # an entry that is there now is as good as ours: adding ours too
+                    # would only orphan parts.
+                    if self.client.exists(rkey):
+                        return
+            raise StoreWriteError(f"cannot write cache entry {key[:16]}: writers kept conflicting")
+        except redis_lib.RedisError as exc:
+            raise StoreWriteError(f"cannot write cache entry {key[:16]} to redis: {exc}") from exc
+
+    def _write(self, rkey: str, blob: bytes) -> None:
+        """One optimistic transaction: parts first, then the manifest (or the blob)."""
+        px = self._px
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.watch(rkey)  # EXEC fails if anyone writes rkey before it
+            old_parts = self._old_parts(pipe, rkey)
+            pipe.multi()
+            new_parts: list[str] = []
+            if len(blob) <= self.max_value_bytes:
+                pipe.set(rkey, blob, px=px)
+            else:
+                # Part names come from the blob's sha256: a reader that got an older
+                # manifest never reads parts of this one.
+                digest = hashlib.sha256(blob).hexdigest()
+                size, part = len(blob), self.max_value_bytes
+                new_parts = self._part_keys(rkey, digest, -(-size // part))
+                view = memoryview(blob)
+                for i, part_key in enumerate(new_parts):
+                    pipe.set(part_key, view[i * part : (i + 1) * part], px=px)
+                meta = {"size": size, "part": part, "count": len(new_parts), "sha256": digest}
+                pipe.set(rkey, _MANIFEST_MAGIC + json.dumps(meta).encode(), px=px)
+            for part_key in set(old_parts) - set(new_parts):
+                pipe.pexpire(part_key, _STALE_PART_GRACE_MS)
+            pipe.execute()
+
+    def _delete(self, key: str) -> None:
+        rkey = self._rkey(key)
+        parts = self._old_parts(self.client, rkey)
+        self.client.delete(rkey, *parts)
+
+    def keys(self) -> Iterator[str]:
+        """Iterate over the entry keys under ``prefix`` (SCAN: no server stall)."""
+        pattern = _GLOB_SPECIAL.sub(r"\\\1", self.prefix) + "*"
+        start = len(self.prefix)
+        for raw in self.client.scan_iter(match=pattern, count=1000):
+            name = raw.decode() if isinstance(raw, bytes) else raw
+            if _KEY_RE.fullmatch(name[start:]):  # skips parts and foreign keys
+                yield name[start:]
+
+    def ttl(self, key: str) -> float | None:
+        """Seconds left before the entry under ``key`` expires (``None``: no TTL or absent)."""
+        ms = self.client.pttl(self._rkey(key))
+        return ms / 1000 if ms >= 0 else None
+
+    def close(self) -> None:
+        """Close the connections this store opened (a given ``client`` is left open)."""
+        if self._owns_client:
+            self.client.close()
