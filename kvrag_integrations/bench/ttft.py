@@ -6,16 +6,8 @@ import statistics
 from typing import Any
 
 from kvrag_integrations.bench.common import RagItem, markdown_table, timed, trim_to_tokens
-from kvrag_integrations.bench.quality import label
+from kvrag_integrations.bench.quality import DEFAULT_STRATEGIES, label
 from kvrag_integrations.engine.engine import KVRAGEngine
-
-DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [
-    ("full", {}),
-    ("turbo", {}),
-    ("blend", {"recompute_ratio": 0.05}),
-    ("blend", {"recompute_ratio": 0.15}),
-    ("blend", {"recompute_ratio": 0.3}),
-]
 
 
 def run(

