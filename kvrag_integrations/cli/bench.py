@@ -10,7 +10,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="run a benchmark suite: ttft, quality, rerank or report",
-        description="Same arguments as `python -m kvrag_integrations.bench` (try `kvrag bench -h`).",
+        description="Arguments as for `python -m kvrag_integrations.bench` (`kvrag bench -h`).",
         add_help=False,  # -h/--help belongs to the benchmark's parser
     )
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")

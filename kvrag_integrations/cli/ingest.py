@@ -190,7 +190,9 @@ def _ingest_file(
             excluded_embed_metadata_keys=list(_HIDDEN),
         )
         nodes = pipeline.run(documents=[doc], show_progress=False)
-        refs = engine.encode_chunks(llm_texts(nodes), batch_size=args.batch_size, show_progress=False)
+        refs = engine.encode_chunks(
+            llm_texts(nodes), batch_size=args.batch_size, show_progress=False
+        )
     tally.chunks += len(refs)
     tally.tokens += sum(ref.num_tokens for ref in refs)
     return {ref.key for ref in refs}
