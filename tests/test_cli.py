@@ -109,6 +109,7 @@ def test_ingest_then_ask_with_reuse(capsys, ws: Workspace, engine: KVRAGEngine) 
     stats = re.search(r"TTFT (\d+) ms .* reused (\d+) tokens .* recomputed (\d+)", err)
     assert stats, err
     assert int(stats[2]) > 0 and int(stats[3]) == 0  # turbo reuses and recomputes nothing
+    assert re.search(r"^retrieval \d+ ms$", err, re.M)  # every cache came from ingestion
     assert str(ws.corpus / "australia.md") in err.split("sources:")[1]  # the top source
 
     code, out, err = kvrag(

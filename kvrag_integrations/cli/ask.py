@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from kvrag_integrations.cli.common import (
@@ -80,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         ChromaVectorStore(chroma_collection=collection), embed_model=MiniLMEmbedding()
     )
     # The retriever makes sure every node's cache is stored (encoding only missing ones).
+    started, writes = time.perf_counter(), store.stats.writes
     nodes = KVRAGRetriever(engine, index, similarity_top_k=args.top_k).retrieve(args.question)
+    retrieval_s, encoded = time.perf_counter() - started, store.stats.writes - writes
     nodes = [n for n in nodes if llm_text(n).strip()]
     stream = engine.stream(
         question=args.question,
@@ -94,13 +97,15 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
     sys.stdout.write("\n")
-    _report(stream.result, nodes)
+    _report(stream.result, nodes, retrieval_s, encoded)
     return 0
 
 
-def _report(result: Any, nodes: list[Any]) -> None:
+def _report(result: Any, nodes: list[Any], retrieval_s: float, encoded: int) -> None:
     """TTFT, token accounting and sources, on stderr."""
     err = sys.stderr
+    print(f"retrieval {retrieval_s * 1000:.0f} ms", file=err, end="")
+    print(f" ({encoded} missing chunk caches encoded)" if encoded else "", file=err)
     print(
         f"TTFT {result.ttft_s * 1000:.0f} ms | strategy {result.strategy} | "
         f"reused {result.reused_tokens} tokens ({result.reused_prefix_tokens} of them the "
