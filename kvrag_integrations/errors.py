@@ -38,3 +38,7 @@ class CacheEntryError(KVRAGError):
 
 class StoreWriteError(KVRAGError, OSError):
     """A store could not write an entry (disk full, read-only directory, ...)."""
+
+
+class StoreURLError(KVRAGError, ValueError):
+    """A store URL that names no known backend or lacks a part (see ``open_store``)."""

@@ -135,3 +135,21 @@ def test_llama_index_over_chroma_server(client, fresh_engine: KVRAGEngine) -> No
     assert "Canberra" in str(response)
     assert stats["reused_tokens"] - stats["reused_prefix_tokens"] > 0  # the chunks' caches
     assert stats["lazily_encoded_chunks"] == 0
+
+
+def test_command_line_over_chroma_server(chroma_server, engine, tmp_path, capsys) -> None:
+    from kvrag_integrations.cli import main
+
+    host, port = chroma_server
+    for i, text in enumerate(DOCS):
+        (tmp_path / f"doc{i}.txt").write_text(text)
+    where = ["--collection", f"cli-{uuid.uuid4().hex[:8]}", "--chroma-host", host]
+    where += ["--chroma-port", str(port), "--store", f"disk:{tmp_path / 'kv'}"]
+    assert main(["ingest", str(tmp_path), *where, "--no-progress"]) == 0
+    assert "3 new" in capsys.readouterr().out
+    assert main(["ingest", str(tmp_path), *where, "--no-progress"]) == 0
+    assert "3 unchanged" in capsys.readouterr().out
+    argv = ["ask", QUESTION, *where, "--strategy", "turbo", "--top-k", "1"]
+    assert main([*argv, "--max-new-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "doc0.txt" in err and " reused 0 " not in err

@@ -216,6 +216,31 @@ def test_malformed_manifest_is_a_miss(store: RedisKVStore, manifest: bytes) -> N
     assert raw_keys(store) == set()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+def test_entries_and_check_read_headers_only(server: RedisServer, prefix: str, split: bool):
+    store = RedisKVStore(server.url, prefix=prefix, max_value_bytes=1024 if split else 2**20)
+    good, foreign, bad = make_kv(seed=1, n=32), make_kv(seed=2), make_kv(seed=3, n=32)
+    foreign = ChunkKV(foreign.token_ids, foreign.keys, foreign.values, "another-model")
+    for kv in (good, foreign, bad):
+        store.put(kv)
+    if split:
+        last = max(
+            (k for k in raw_keys(store) if k.startswith(prefix + bad.key + ":part:")),
+            key=lambda k: int(k.rsplit(":", 1)[1]),
+        )
+        store.client.set(last, _flip(store.client.get(last)))
+    else:
+        store.client.set(prefix + bad.key, _flip(store.client.get(prefix + bad.key)))
+    infos = {info.key: info for info in store.entries()}
+    assert set(infos) == {good.key, foreign.key, bad.key}
+    assert infos[good.key].nbytes == len(encode_entry(good))  # the whole blob, even when split
+    assert infos[foreign.key].fingerprint == "another-model"
+    assert infos[bad.key].fingerprint == FP  # the header is intact; only check() decodes
+    assert all(abs(info.updated_at - time.time()) < 60 for info in infos.values())
+    assert store.check(good.key) is None and store.check(foreign.key) is None
+    assert "checksum" in store.check(bad.key)
+
+
 # ------------------------------------------------------------------ with the engine
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
 def test_engine_recomputes_a_damaged_entry(engine: KVRAGEngine, store: RedisKVStore, damage):

@@ -6,16 +6,18 @@ extra (``pip install 'kvrag-integrations[redis]'``).
 
 from __future__ import annotations
 
-from kvrag_integrations.store.base import KVStore, StoreStats
+from kvrag_integrations.store.base import EntryInfo, KVStore, StoreStats
 from kvrag_integrations.store.codec import FORMAT_VERSION, decode_entry, encode_entry
 from kvrag_integrations.store.disk import DiskKVStore
 from kvrag_integrations.store.memory import MemoryKVStore
 from kvrag_integrations.store.redis import RedisKVStore
 from kvrag_integrations.store.tiered import TieredKVStore
+from kvrag_integrations.store.url import open_store
 
 __all__ = [
     "FORMAT_VERSION",
     "DiskKVStore",
+    "EntryInfo",
     "KVStore",
     "MemoryKVStore",
     "RedisKVStore",
@@ -23,4 +25,5 @@ __all__ = [
     "TieredKVStore",
     "decode_entry",
     "encode_entry",
+    "open_store",
 ]

@@ -25,6 +25,25 @@ class StoreStats:
     evictions: int = 0
 
 
+@dataclass(frozen=True)
+class EntryInfo:
+    """What a store can tell about one entry without using it (see ``KVStore.entries``).
+
+    Attributes:
+        key: the entry's cache key.
+        nbytes: its stored size in bytes (memory: the tensors' bytes).
+        updated_at: unix time of its last write (Redis: of its last access), or
+            ``None`` when the backend cannot tell.
+        fingerprint: the model fingerprint recorded in it, or ``None`` when its
+            header is unreadable (``check`` says why).
+    """
+
+    key: str
+    nbytes: int
+    updated_at: float | None
+    fingerprint: str | None
+
+
 class KVStore(ABC):
     """Where ``ChunkKV`` entries live, addressed by ``cache_key``.
 
@@ -33,7 +52,8 @@ class KVStore(ABC):
     key): such entries are logged, counted in ``stats.rejected`` and dropped so the
     caller recomputes and overwrites them. Stores never pickle.
 
-    Subclasses implement ``_get``, ``_put``, ``_delete`` and ``keys``.
+    Subclasses implement ``_get``, ``_put``, ``_delete`` and ``keys``; they may
+    override ``entries`` with a cheaper listing (the default decodes every entry).
     """
 
     def __init__(self) -> None:
@@ -74,6 +94,40 @@ class KVStore(ABC):
     def delete(self, key: str) -> None:
         """Remove the entry under ``key`` if present."""
         self._delete(key)
+
+    def check(self, key: str) -> str | None:
+        """Decode the entry under ``key`` and say why it is unusable, if it is.
+
+        Any fingerprint is fine here (``get`` is the place that checks the model).
+        ``stats`` are not touched and nothing is deleted.
+
+        Returns:
+            ``None`` for an intact (or absent) entry, else the reason, e.g.
+            ``"entry checksum mismatch: ..."``.
+        """
+        try:
+            kv = self._get(key)
+        except Exception as exc:
+            return str(exc) or type(exc).__name__
+        if kv is not None and kv.key != key:
+            return "entry is stored under another key"
+        return None
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """Describe every stored entry (size, last write, fingerprint).
+
+        This default decodes each entry; backends override it with a read of the
+        metadata only. An entry that cannot be decoded is listed with
+        ``fingerprint=None``.
+        """
+        for key in list(self.keys()):
+            try:
+                kv = self._get(key)
+            except Exception:
+                yield EntryInfo(key, 0, None, None)
+                continue
+            if kv is not None:
+                yield EntryInfo(key, kv.nbytes, None, kv.fingerprint)
 
     def _safe_delete(self, key: str) -> None:
         with contextlib.suppress(Exception):

@@ -66,12 +66,34 @@ def encode_entry(kv: ChunkKV) -> bytes:
     return safetensors.torch.save(tensors, metadata=metadata)
 
 
-def _read_metadata(data: bytes) -> dict[str, str]:
+def header_length(first8: bytes) -> int:
+    """Length of the JSON header that follows the first 8 bytes of an entry.
+
+    Args:
+        first8: the entry's first 8 bytes (a little-endian u64).
+
+    Raises:
+        CacheEntryError: fewer than 8 bytes.
+    """
+    if len(first8) < 8:
+        raise CacheEntryError(f"entry is {len(first8)} bytes, too short for a safetensors header")
+    (header_len,) = struct.unpack("<Q", first8[:8])
+    return int(header_len)
+
+
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The entry's metadata (``format``, ``fingerprint``, ``key``, ``checksum``), unverified.
+
+    Only the header is parsed, so ``data`` may be just the entry's first
+    ``8 + header_length(data[:8])`` bytes: stores use it to describe an entry
+    without reading its tensors.
+
+    Raises:
+        CacheEntryError: the header is truncated, not JSON or lacks a field.
+    """
     # safetensors.torch.load drops the metadata, so read the JSON header directly:
     # 8 bytes little-endian header length, then the header itself.
-    if len(data) < 8:
-        raise CacheEntryError(f"entry is {len(data)} bytes, too short for a safetensors header")
-    (header_len,) = struct.unpack("<Q", data[:8])
+    header_len = header_length(data)
     if header_len > len(data) - 8:
         raise CacheEntryError("entry is truncated: header runs past the end of the data")
     try:
@@ -101,7 +123,7 @@ def decode_entry(data: bytes) -> ChunkKV:
             version, lack a tensor, have inconsistent shapes, fail the checksum,
             or are stored under a key that does not match their content.
     """
-    metadata = _read_metadata(data)
+    metadata = read_metadata(data)
     if metadata["format"] != FORMAT_VERSION:
         raise CacheEntryError(
             f"entry format {metadata['format']!r} is not {FORMAT_VERSION!r}; it will be rebuilt"

@@ -12,14 +12,20 @@ from pathlib import Path
 
 from kvrag_integrations.engine.kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError, StoreWriteError
-from kvrag_integrations.store.base import KVStore
-from kvrag_integrations.store.codec import decode_entry, encode_entry
+from kvrag_integrations.store.base import EntryInfo, KVStore
+from kvrag_integrations.store.codec import (
+    decode_entry,
+    encode_entry,
+    header_length,
+    read_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _SUFFIX = ".safetensors"
 _TMP_PREFIX = ".tmp-"
+_MAX_HEADER = 1 << 20  # our headers are a few hundred bytes; larger means a damaged file
 
 
 class DiskKVStore(KVStore):
@@ -115,6 +121,16 @@ class DiskKVStore(KVStore):
     def __len__(self) -> int:
         return sum(1 for _ in self._entry_files())
 
+    def entries(self) -> Iterator[EntryInfo]:
+        """Describe each entry file from its size, mtime and header (tensors are not read)."""
+        for key, path in self._entry_files():
+            try:
+                stat = path.stat()
+                fingerprint = _peek_fingerprint(path)
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+            yield EntryInfo(key, stat.st_size, stat.st_mtime, fingerprint)
+
     @property
     def nbytes(self) -> int:
         """Total size of the entry files, in bytes."""
@@ -149,3 +165,16 @@ class DiskKVStore(KVStore):
                 continue
             counts["ok"] += 1
         return counts
+
+
+def _peek_fingerprint(path: Path) -> str | None:
+    """The fingerprint in the file's header, or ``None`` if the header is unreadable."""
+    with open(path, "rb") as handle:
+        try:
+            size = header_length(handle.read(8))
+            if size > _MAX_HEADER:
+                return None
+            handle.seek(0)
+            return read_metadata(handle.read(8 + size))["fingerprint"]
+        except CacheEntryError:
+            return None

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
 from kvrag_integrations.engine.kv import ChunkKV
-from kvrag_integrations.store.base import KVStore
+from kvrag_integrations.store.base import EntryInfo, KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class MemoryKVStore(KVStore):
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         self._max_bytes = max_bytes
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()  # oldest first
+        self._written: dict[str, float] = {}  # key -> unix time of its last put
         self._nbytes = 0
         self._lock = threading.Lock()
 
@@ -81,10 +83,12 @@ class MemoryKVStore(KVStore):
                 self._nbytes -= old.nbytes
             if self._max_bytes is not None:
                 while self._entries and self._nbytes + size > self._max_bytes:
-                    _, victim = self._entries.popitem(last=False)
+                    victim_key, victim = self._entries.popitem(last=False)
+                    self._written.pop(victim_key, None)
                     self._nbytes -= victim.nbytes
                     evicted += 1
             self._entries[key] = kv
+            self._written[key] = time.time()
             self._nbytes += size
         if evicted:
             self._count("evictions", evicted)
@@ -92,8 +96,18 @@ class MemoryKVStore(KVStore):
     def _delete(self, key: str) -> None:
         with self._lock:
             old = self._entries.pop(key, None)
+            self._written.pop(key, None)
             if old is not None:
                 self._nbytes -= old.nbytes
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """Describe a snapshot of the entries, least recently used first."""
+        with self._lock:
+            snapshot = [
+                EntryInfo(key, kv.nbytes, self._written.get(key), kv.fingerprint)
+                for key, kv in self._entries.items()
+            ]
+        return iter(snapshot)
 
     def keys(self) -> Iterator[str]:
         """Iterate over a snapshot of the keys, least recently used first."""

@@ -6,13 +6,19 @@ import hashlib
 import json
 import logging
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from kvrag_integrations.engine.kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError, StoreWriteError
-from kvrag_integrations.store.base import KVStore
-from kvrag_integrations.store.codec import decode_entry, encode_entry
+from kvrag_integrations.store.base import EntryInfo, KVStore
+from kvrag_integrations.store.codec import (
+    decode_entry,
+    encode_entry,
+    header_length,
+    read_metadata,
+)
 
 try:  # the optional ``redis`` extra: the package imports without it
     import redis as redis_lib
@@ -244,6 +250,46 @@ class RedisKVStore(KVStore):
             name = raw.decode() if isinstance(raw, bytes) else raw
             if _KEY_RE.fullmatch(name[start:]):  # skips parts and foreign keys
                 yield name[start:]
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """Describe each entry from its length, idle time and header (tensors are not read).
+
+        ``updated_at`` is the entry's last access (Redis ``OBJECT IDLETIME``; ``None``
+        under an LFU ``maxmemory-policy``, where Redis does not keep it). A split
+        entry's size is the whole blob's, read from its manifest.
+        """
+        keys = list(self.keys())
+        for start in range(0, len(keys), 256):
+            batch = keys[start : start + 256]
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in batch:
+                    rkey = self.prefix + key
+                    pipe.strlen(rkey)
+                    pipe.getrange(rkey, 0, _MANIFEST_PEEK - 1)
+                    pipe.object("idletime", rkey)
+                replies = pipe.execute(raise_on_error=False)
+            now = time.time()
+            for i, key in enumerate(batch):
+                size, head, idle = replies[3 * i : 3 * i + 3]
+                if not head:  # deleted meanwhile
+                    continue
+                updated = now - idle if isinstance(idle, int) else None
+                size, fingerprint = self._describe(self.prefix + key, head, int(size or 0))
+                yield EntryInfo(key, size, updated, fingerprint)
+
+    def _describe(self, rkey: str, head: bytes, size: int) -> tuple[int, str | None]:
+        """``(size, fingerprint)`` of the entry whose value starts with ``head``."""
+        try:
+            if head.startswith(_MANIFEST_MAGIC):
+                meta, part_keys = self._manifest(self.client.get(rkey) or b"", rkey)
+                size, rkey = meta["size"], part_keys[0]
+                head = self.client.getrange(rkey, 0, _MANIFEST_PEEK - 1) or b""
+            need = 8 + header_length(head)
+            if need > len(head) and need <= _MANIFEST_PEEK * 1024:
+                head = self.client.getrange(rkey, 0, need - 1) or b""
+            return size, read_metadata(head)["fingerprint"]
+        except CacheEntryError:
+            return size, None
 
     def ttl(self, key: str) -> float | None:
         """Seconds left before the entry under ``key`` expires (``None``: no TTL or absent)."""

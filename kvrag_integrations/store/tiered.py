@@ -8,7 +8,7 @@ from dataclasses import asdict
 import torch
 
 from kvrag_integrations.engine.kv import ChunkKV
-from kvrag_integrations.store.base import KVStore
+from kvrag_integrations.store.base import EntryInfo, KVStore
 from kvrag_integrations.store.memory import MemoryKVStore
 
 
@@ -115,6 +115,22 @@ class TieredKVStore(KVStore):
     def keys(self) -> Iterator[str]:
         """Keys in either tier, each once (memory's first)."""
         return iter(dict.fromkeys([*self.memory.keys(), *self.backend.keys()]))
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """The backend's entries, then those held only in memory."""
+        seen: set[str] = set()
+        for info in self.backend.entries():
+            seen.add(info.key)
+            yield info
+        for info in self.memory.entries():
+            if info.key not in seen:
+                yield info
+
+    def check(self, key: str) -> str | None:
+        """The backend's verdict on ``key`` (memory's for an entry only in memory)."""
+        if self.backend.contains(key):
+            return self.backend.check(key)
+        return self.memory.check(key)
 
     def clear_memory(self) -> None:
         """Drop the memory tier (the backend keeps everything)."""

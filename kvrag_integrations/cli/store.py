@@ -1,0 +1,101 @@
+"""``kvrag store stats|verify|prune``: look after a KV cache store."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvrag_integrations.cli.common import (
+    CLIError,
+    add_model_options,
+    add_store_option,
+    engine_from,
+    human_bytes,
+    store_from,
+)
+from kvrag_integrations.store.maintenance import (
+    find_corrupt,
+    prune,
+    select_for_pruning,
+    summarize,
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``kvrag store`` and its actions."""
+    parser = subparsers.add_parser("store", help="stats, verify or prune a KV cache store")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    stats = actions.add_parser("stats", help="entries, bytes, entries per model fingerprint")
+    add_store_option(stats)
+    stats.set_defaults(func=run_stats)
+
+    verify = actions.add_parser("verify", help="decode every entry and report corrupt ones")
+    add_store_option(verify)
+    verify.add_argument("--delete", action="store_true", help="remove the corrupt entries")
+    verify.set_defaults(func=run_verify)
+
+    pruning = actions.add_parser("prune", help="evict entries by size, age or model")
+    add_store_option(pruning)
+    add_model_options(pruning)
+    pruning.add_argument("--max-bytes", type=int, default=None, help="evict oldest until <= N")
+    pruning.add_argument("--older-than", type=float, default=None, metavar="DAYS")
+    pruning.add_argument(
+        "--foreign", action="store_true", help="evict entries made by another model than --model"
+    )
+    pruning.add_argument("--dry-run", action="store_true", help="list, do not delete")
+    pruning.set_defaults(func=run_prune)
+
+
+def _stamp(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """Print the store's entry count, bytes, age range and fingerprints."""
+    summary = summarize(store_from(args))
+    print(f"store {args.store}")
+    print(f"entries {summary.entries}")
+    print(f"bytes {summary.nbytes} ({human_bytes(summary.nbytes)})")
+    print(f"oldest {_stamp(summary.oldest)}  newest {_stamp(summary.newest)}")
+    for fingerprint, count in summary.by_fingerprint.items():
+        print(f"fingerprint {fingerprint or '(unreadable)'}: {count}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Decode every entry; exit 1 if corrupt entries remain (found without ``--delete``)."""
+    store = store_from(args)
+    total = len(store)
+    bad = find_corrupt(store, delete=args.delete)
+    for key, reason in bad:
+        print(f"corrupt {key}: {reason}{' (deleted)' if args.delete else ''}")
+    print(f"verified {total} entries: {total - len(bad)} ok, {len(bad)} corrupt", end="")
+    print(f", {len(bad)} deleted" if args.delete else "")
+    return 1 if bad and not args.delete else 0
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    """Evict entries by ``--max-bytes``, ``--older-than`` and/or ``--foreign``."""
+    if args.max_bytes is None and args.older_than is None and not args.foreign:
+        raise CLIError("prune needs at least one of --max-bytes, --older-than, --foreign")
+    if (args.max_bytes is not None and args.max_bytes < 0) or (
+        args.older_than is not None and args.older_than < 0
+    ):
+        raise CLIError("--max-bytes and --older-than must be >= 0")
+    store = store_from(args)
+    foreign_to = engine_from(args, store).fingerprint if args.foreign else None
+    criteria = {
+        "max_bytes": args.max_bytes,
+        "older_than_s": None if args.older_than is None else args.older_than * 86400,
+        "foreign_to": foreign_to,
+    }
+    if args.dry_run:
+        chosen = select_for_pruning(store.entries(), **criteria)
+    else:
+        chosen = prune(store, **criteria)
+    verb = "would evict" if args.dry_run else "evicted"
+    freed = sum(info.nbytes for info in chosen)
+    left = len(store) - (len(chosen) if args.dry_run else 0)
+    print(f"{verb} {len(chosen)} entries ({human_bytes(freed)}); {left} entries remain")
+    return 0

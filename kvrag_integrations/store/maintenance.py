@@ -1,0 +1,125 @@
+"""Looking after a store: what it holds, which entries are corrupt, what to evict."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvrag_integrations.store.base import EntryInfo, KVStore
+
+
+@dataclass
+class StoreSummary:
+    """Totals over a store's entries (see :func:`summarize`).
+
+    Attributes:
+        entries: how many entries.
+        nbytes: their total stored size.
+        by_fingerprint: entries per model fingerprint (``None``: unreadable header).
+        oldest, newest: the earliest and latest ``updated_at`` (``None``: unknown).
+    """
+
+    entries: int = 0
+    nbytes: int = 0
+    by_fingerprint: dict[str | None, int] = field(default_factory=dict)
+    oldest: float | None = None
+    newest: float | None = None
+
+
+def summarize(store: KVStore) -> StoreSummary:
+    """Count the entries of ``store``, their bytes and their fingerprints."""
+    infos = list(store.entries())
+    times = [i.updated_at for i in infos if i.updated_at is not None]
+    return StoreSummary(
+        entries=len(infos),
+        nbytes=sum(i.nbytes for i in infos),
+        by_fingerprint=dict(Counter(i.fingerprint for i in infos).most_common()),
+        oldest=min(times, default=None),
+        newest=max(times, default=None),
+    )
+
+
+def find_corrupt(store: KVStore, *, delete: bool = False) -> list[tuple[str, str]]:
+    """Decode every entry with the codec (checksums included) and list the bad ones.
+
+    Args:
+        store: the store to check.
+        delete: also remove each bad entry.
+
+    Returns:
+        ``(key, reason)`` per entry that cannot be used, in the store's key order.
+    """
+    bad = []
+    for key in list(store.keys()):
+        reason = store.check(key)
+        if reason is not None:
+            bad.append((key, reason))
+            if delete:
+                store.delete(key)
+    return bad
+
+
+def select_for_pruning(
+    entries: Iterable[EntryInfo],
+    *,
+    max_bytes: int | None = None,
+    older_than_s: float | None = None,
+    foreign_to: str | None = None,
+    now: float | None = None,
+) -> list[EntryInfo]:
+    """Choose the entries to evict; every criterion given adds to the choice.
+
+    Args:
+        entries: the store's entries (``store.entries()``).
+        max_bytes: after the other criteria, evict the least recently updated
+            entries (unknown times first) until the rest fit in this many bytes.
+        older_than_s: evict entries last updated more than this many seconds ago
+            (entries of unknown age are kept).
+        foreign_to: evict entries whose fingerprint is readable and differs from
+            this one (entries made by another model, tokenizer or dtype).
+        now: the current unix time (default: ``time.time()``).
+
+    Returns:
+        The chosen entries, in the order they should be deleted.
+
+    Example:
+        >>> infos = [EntryInfo("a", 10, 100.0, "m"), EntryInfo("b", 10, 200.0, "m"),
+        ...          EntryInfo("c", 10, 300.0, "other")]
+        >>> [i.key for i in select_for_pruning(infos, foreign_to="m")]
+        ['c']
+        >>> [i.key for i in select_for_pruning(infos, max_bytes=15)]
+        ['a', 'b']
+        >>> [i.key for i in select_for_pruning(infos, older_than_s=150, now=300.0)]
+        ['a']
+    """
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    if older_than_s is not None and older_than_s < 0:
+        raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")
+    now = time.time() if now is None else now
+    keep: list[EntryInfo] = []
+    chosen: list[EntryInfo] = []
+    for info in entries:
+        foreign = foreign_to is not None and info.fingerprint not in (None, foreign_to)
+        old = older_than_s is not None and info.updated_at is not None
+        old = old and now - info.updated_at > older_than_s
+        (chosen if foreign or old else keep).append(info)
+    if max_bytes is not None:
+        keep.sort(key=lambda i: (i.updated_at is not None, i.updated_at or 0.0))
+        total = sum(i.nbytes for i in keep)
+        for info in keep:
+            if total <= max_bytes:
+                break
+            chosen.append(info)
+            total -= info.nbytes
+    return chosen
+
+
+def prune(store: KVStore, **criteria: float | str | None) -> list[EntryInfo]:
+    """Delete what :func:`select_for_pruning` chooses from ``store``; returns it."""
+    chosen = select_for_pruning(store.entries(), **criteria)  # type: ignore[arg-type]
+    for info in chosen:
+        store.delete(info.key)
+    return chosen

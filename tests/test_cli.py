@@ -1,0 +1,214 @@
+"""The ``kvrag`` command line, run in-process with the session's shared model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import chromadb
+import pytest
+
+from kvrag_integrations import KVRAGEngine
+from kvrag_integrations.cli import main
+from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.store import DiskKVStore
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = {
+    "australia.md": "# Australia\n\nCanberra is the capital city of Australia. "
+    "It was chosen in 1908 as a compromise between Sydney and Melbourne.\n",
+    "canada.md": "# Canada\n\nOttawa is the capital of Canada. It lies on the Ottawa River.\n",
+    "notes/nz.txt": "Wellington is the capital of New Zealand, on the North Island.\n",
+    "notes/ignored.json": '{"not": "ingested"}\n',
+    ".hidden/secret.md": "Hidden folders are skipped.\n",
+}
+QUESTION = "What is the capital of Australia?"
+SUMMARY = re.compile(
+    r"ingested (?P<files>\d+) files \((?P<new>\d+) new, (?P<changed>\d+) changed, "
+    r"(?P<unchanged>\d+) unchanged, \d+ empty\) into '\w+': (?P<chunks>\d+) chunks, "
+    r"(?P<tokens>\d+) tokens, (?P<caches>\d+) caches \((?P<written>\d+) written\), "
+    r"(?P<size>[\d.]+ \w+) cached"
+)
+
+
+class Workspace:
+    """A corpus folder, a Chroma directory and a disk store under one tmp dir."""
+
+    def __init__(self, root: Path) -> None:
+        self.corpus, self.chroma, self.kv = root / "corpus", root / "chroma", root / "kv"
+        for name, text in FILES.items():
+            (self.corpus / name).parent.mkdir(parents=True, exist_ok=True)
+            (self.corpus / name).write_text(text)
+        self.where = ["--collection", "docs", "--chroma", str(self.chroma)]
+        self.store = ["--store", f"disk:{self.kv}"]
+
+    def count(self) -> int:
+        return chromadb.PersistentClient(str(self.chroma)).get_collection("docs").count()
+
+
+def kvrag(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def ingest(capsys, ws: Workspace, *extra: str) -> dict[str, str]:
+    code, out, err = kvrag(
+        capsys, "ingest", str(ws.corpus), *ws.where, *ws.store, "--chunk-size", "64", *extra
+    )
+    assert code == 0, err
+    match = SUMMARY.search(out)
+    assert match, out
+    return match.groupdict()
+
+
+@pytest.fixture()
+def ws(tmp_path: Path, engine: KVRAGEngine) -> Workspace:
+    """A fresh workspace; ``engine`` makes sure the CLI reuses the session's weights."""
+    return Workspace(tmp_path)
+
+
+def test_entry_point_is_declared() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    scripts = pyproject.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    assert re.search(r'^kvrag = "kvrag_integrations\.cli:main"$', scripts, re.M)
+    assert callable(main)
+
+
+def test_module_runs_as_a_program(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrag_integrations.cli", "store", "stats", "--store", "memory"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "entries 0" in done.stdout
+
+
+def test_ingest_then_ask_with_reuse(capsys, ws: Workspace, engine: KVRAGEngine) -> None:
+    summary = ingest(capsys, ws, "--no-progress")
+    assert summary["files"] == "3" and summary["new"] == "3"  # .json and hidden skipped
+    chunks = int(summary["chunks"])
+    assert chunks == ws.count() >= 3 and int(summary["tokens"]) > 20
+    assert int(summary["written"]) == int(summary["caches"]) == len(DiskKVStore(ws.kv)) == chunks
+
+    code, out, err = kvrag(
+        capsys, "ask", QUESTION, *ws.where, *ws.store, "--strategy", "turbo",
+        "--top-k", "2", "--max-new-tokens", "8",
+    )  # fmt: skip
+    assert code == 0, err
+    assert out.strip()
+    stats = re.search(r"TTFT (\d+) ms .* reused (\d+) tokens .* recomputed (\d+)", err)
+    assert stats, err
+    assert int(stats[2]) > 0 and int(stats[3]) == 0  # turbo reuses and recomputes nothing
+    assert re.search(r"^retrieval \d+ ms$", err, re.M)  # every cache came from ingestion
+    assert str(ws.corpus / "australia.md") in err.split("sources:")[1]  # the top source
+
+    code, out, err = kvrag(
+        capsys, "ask", QUESTION, *ws.where, *ws.store, "--strategy", "blend",
+        "--recompute-ratio", "0.5", "--top-k", "2", "--max-new-tokens", "4",
+    )  # fmt: skip
+    assert code == 0, err
+    stats = re.search(r"reused (\d+) tokens .* recomputed (\d+)", err)
+    assert stats and int(stats[1]) > 0 and int(stats[2]) > 0, err
+
+
+def test_reingest_is_idempotent_and_replaces_changed_files(capsys, ws: Workspace) -> None:
+    first = ingest(capsys, ws)
+    keys = sorted(DiskKVStore(ws.kv).keys())
+
+    again = ingest(capsys, ws)
+    assert (again["new"], again["changed"], again["unchanged"]) == ("0", "0", "3")
+    assert again["written"] == "0" and again["chunks"] == first["chunks"]
+    assert ws.count() == int(first["chunks"]) and sorted(DiskKVStore(ws.kv).keys()) == keys
+
+    (ws.corpus / "canada.md").write_text("Ottawa is the capital of Canada.\n")
+    changed = ingest(capsys, ws)
+    assert (changed["new"], changed["changed"], changed["unchanged"]) == ("0", "1", "2")
+    assert changed["written"] == "1"  # only the new chunk is encoded
+    assert ws.count() == int(changed["chunks"])  # the old chunks of canada.md are gone
+    docs = chromadb.PersistentClient(str(ws.chroma)).get_collection("docs").get()["documents"]
+    assert "Ottawa is the capital of Canada." in docs and not any("River" in d for d in docs)
+
+
+def test_store_stats_verify_and_prune(capsys, ws: Workspace, engine: KVRAGEngine) -> None:
+    chunks = int(ingest(capsys, ws, "--no-progress")["chunks"])
+    store = DiskKVStore(ws.kv)
+    mine = store.get(next(store.keys()), engine.fingerprint)
+    foreign = ChunkKV(mine.token_ids, mine.keys, mine.values, "another-model")
+    store.put(foreign)
+
+    code, out, _ = kvrag(capsys, "store", "stats", *ws.store)
+    assert code == 0 and f"entries {chunks + 1}" in out
+    assert f"fingerprint {engine.fingerprint}: {chunks}" in out
+    assert "fingerprint another-model: 1" in out
+
+    victim = next(k for k in list(store.keys()) if k != foreign.key)
+    path = ws.kv / victim[:2] / f"{victim}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, out, _ = kvrag(capsys, "store", "verify", *ws.store)
+    assert code == 1 and f"corrupt {victim}" in out and "1 corrupt" in out and path.exists()
+    code, out, _ = kvrag(capsys, "store", "verify", *ws.store, "--delete")
+    assert code == 0 and "1 deleted" in out and not path.exists()
+    code, out, _ = kvrag(capsys, "store", "verify", *ws.store)
+    assert code == 0 and f"{chunks} ok, 0 corrupt" in out
+
+    code, out, _ = kvrag(capsys, "store", "prune", *ws.store, "--foreign")
+    assert code == 0 and "evicted 1 entries" in out and not store.contains(foreign.key)
+    assert len(store) == chunks - 1
+
+    old = next(iter(store.keys()))
+    stamp = time.time() - 3 * 86400
+    os.utime(ws.kv / old[:2] / f"{old}.safetensors", (stamp, stamp))
+    code, out, _ = kvrag(capsys, "store", "prune", *ws.store, "--older-than", "2", "--dry-run")
+    assert code == 0 and "would evict 1 entries" in out and store.contains(old)
+    code, out, _ = kvrag(capsys, "store", "prune", *ws.store, "--older-than", "2")
+    assert code == 0 and not store.contains(old) and len(store) == chunks - 2
+
+    code, out, _ = kvrag(capsys, "store", "prune", *ws.store, "--max-bytes", "0")
+    assert code == 0 and len(store) == 0 and "0 entries remain" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ingest", "{tmp}/missing", "--collection", "docs"], "no such file or folder"),
+        (["ingest", "{tmp}", "--collection", "docs"], "no .txt/.md/.markdown files"),
+        (["store", "stats", "--store", "s3://bucket"], "unknown store URL"),
+        (["ask", "q", "--collection", "docs", "--chroma", "{tmp}"], "does not exist"),
+        (["ask", "q", "--collection", "docs", "--chroma", "{tmp}/none"], "no Chroma directory"),
+        (["ask", "q", "--collection", "docs", "--strategy", "turbo", "--recompute-ratio", "0.2"],
+         "applies to --strategy blend only"),
+        (["store", "prune", "--store", "memory"], "needs at least one of"),
+        (["ask", "q", "--collection", "docs", "--strategy", "fast"], "invalid choice"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_with_one_line(capsys, tmp_path: Path, argv, message) -> None:
+    code, _, err = kvrag(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    if "invalid choice" not in message:  # argparse prints its usage first
+        assert err.count("\n") == 1 and err.startswith("kvrag: error: ")
+
+
+def test_empty_collection_exits_2(capsys, tmp_path: Path) -> None:
+    chromadb.PersistentClient(str(tmp_path)).get_or_create_collection("empty")
+    code, _, err = kvrag(capsys, "ask", "q", "--collection", "empty", "--chroma", str(tmp_path))
+    assert code == 2 and "is empty" in err
+
+
+def test_bench_forwards_its_arguments(capsys) -> None:
+    code, out, _ = kvrag(capsys, "bench", "--help")
+    assert code == 0 and "python -m kvrag_integrations.bench" in out and "--items" in out
+    code, _, err = kvrag(capsys, "bench", "no-such-suite")
+    assert code == 2 and "invalid choice" in err
