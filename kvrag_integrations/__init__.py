@@ -1,6 +1,6 @@
 """Fast RAG on local models by reusing precomputed KV caches of retrieved chunks.
 
-Example:
+Examples:
     >>> from kvrag_integrations import KVRAGEngine  # doctest: +SKIP
     >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
     >>> result = engine.generate(question="Who?", chunks=["Ada wrote it."])  # doctest: +SKIP

@@ -102,7 +102,7 @@ def _cpu_name() -> str:
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     """A GitHub Markdown table; floats get three significant digits (whole numbers from 100).
 
-    Example:
+    Examples:
         >>> print(markdown_table(["a", "b"], [[7184.2, 0.04567]]))
         | a | b |
         |---|---|

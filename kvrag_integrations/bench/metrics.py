@@ -13,7 +13,7 @@ import torch
 def normalize_answer(text: str) -> str:
     """SQuAD normalisation: lower case, no punctuation, no articles, single spaces.
 
-    Example:
+    Examples:
         >>> normalize_answer("The  Eiffel Tower!")
         'eiffel tower'
     """
@@ -26,7 +26,7 @@ def normalize_answer(text: str) -> str:
 def token_f1(prediction: str, reference: str) -> float:
     """Token-overlap F1 of two answers after ``normalize_answer``.
 
-    Example:
+    Examples:
         >>> round(token_f1("in Paris, France", "Paris"), 2)
         0.5
     """
@@ -49,7 +49,7 @@ def best_f1(prediction: str, references: Iterable[str]) -> float:
 def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """KL(reference || other) of two next-token distributions, in nats.
 
-    Example:
+    Examples:
         >>> kl_divergence(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
         0.0
     """

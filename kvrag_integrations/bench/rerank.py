@@ -5,7 +5,7 @@ own 10 passages plus 10 of the next item's (distractors), trimmed to about 250
 tokens. Prefix caches are precomputed first (timed apart, as ingestion would);
 then every query is scored with reuse and without, side by side in one run.
 
-Example:
+Examples:
     python -m kvrag_integrations.bench rerank --items 5
 """
 

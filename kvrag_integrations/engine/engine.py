@@ -127,7 +127,7 @@ class GenerationStream:
 class KVRAGEngine:
     """Generates answers over retrieved chunks, reusing their precomputed KV caches.
 
-    Example:
+    Examples:
         >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
         >>> engine.encode_chunks(["Paris is the capital of France."])  # doctest: +SKIP
         >>> engine.generate(question="What is the capital of France?",

@@ -16,7 +16,7 @@ from kvrag_integrations.engine.layers import PromptKV
 class SamplingParams:
     """How the next token is chosen. ``temperature=0`` means greedy.
 
-    Example:
+    Examples:
         >>> SamplingParams(temperature=0.7, top_p=0.9).greedy
         False
     """

@@ -16,7 +16,7 @@ def cache_key(fingerprint: str, token_ids: torch.Tensor | list[int]) -> str:
 
     The key never contains user text, so it is safe as a file name or Redis key.
 
-    Example:
+    Examples:
         >>> cache_key("fp", [1, 2, 3])[:12]
         '8a3b917b34bd'
     """

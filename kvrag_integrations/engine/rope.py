@@ -34,7 +34,7 @@ def shift_keys(
         out: optional destination (same shape and dtype as ``keys``, not
             overlapping it); the prompt assembly writes straight into its buffer.
 
-    Example:
+    Examples:
         >>> import torch
         >>> inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
         >>> k = torch.randn(2, 5, 8)

@@ -25,7 +25,7 @@ DEFAULT_INSTRUCTION = (
 class Text:
     """Plain prompt text, always prefilled.
 
-    Example:
+    Examples:
         >>> Text("Question: who?").text
         'Question: who?'
     """
@@ -37,7 +37,7 @@ class Text:
 class Chunk:
     """A retrieved passage whose KV cache is precomputed and reused.
 
-    Example:
+    Examples:
         >>> Chunk("Paris is the capital of France.").text
         'Paris is the capital of France.'
     """
@@ -137,7 +137,7 @@ def rag_user_segments(
 ) -> list[Segment]:
     """The default RAG layout: instruction, each chunk, then the question.
 
-    Example:
+    Examples:
         >>> [type(s).__name__ for s in rag_user_segments("Who?", ["A.", "B."])]
         ['Text', 'Chunk', 'Text', 'Chunk', 'Text']
     """

@@ -25,7 +25,7 @@ class ChunkIndex:
     in a prompt costs one dictionary look-up per prompt character, whatever the
     number of chunks.
 
-    Example:
+    Examples:
         >>> index = ChunkIndex()
         >>> index.add("Paris is the capital of France.")
         >>> [type(s).__name__ for s in index.split("Context: Paris is the capital of France. Q?")]
@@ -87,7 +87,7 @@ class ChunkIndex:
 def split_at_chunks(text: str, matches: Iterable[tuple[int, str]]) -> list[Segment]:
     """Segments of ``text`` given ``(start, chunk)`` matches; overlaps keep the longest.
 
-    Example:
+    Examples:
         >>> split_at_chunks("a XY b", [(2, "XY")])
         [Text(text='a '), Chunk(text='XY'), Text(text=' b')]
     """

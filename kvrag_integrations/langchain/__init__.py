@@ -1,6 +1,6 @@
 """LangChain parts: chat model, retriever, document compressor, embeddings, ingestion.
 
-Example:
+Examples:
     >>> from kvrag_integrations.langchain import ChatKVRAG, KVRAGRetriever  # doctest: +SKIP
     >>> llm = ChatKVRAG(strategy="turbo")  # doctest: +SKIP
     >>> retriever = KVRAGRetriever(collection=collection, engine=llm.engine, k=5)  # doctest: +SKIP

@@ -21,7 +21,7 @@ async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T
     the same thread. When the consumer stops early or is cancelled, the worker
     stops after the item in progress and closes the iterator.
 
-    Example:
+    Examples:
         >>> import asyncio
         >>> async def main():
         ...     return [x async for x in aiter_in_thread(lambda: iter(range(3)))]

@@ -37,20 +37,25 @@ class ChatKVRAG(BaseChatModel):
     caches; the rest of the prompt is prefilled. The chat template of the model
     is applied around them.
 
-    Args:
+    Attributes:
         engine: a ``KVRAGEngine``; by default ``KVRAGEngine.shared(model, ...)``,
             so that every instance built from one model name shares its weights.
         model: HF id, local directory or ``.gguf`` file (None: bundled SmolLM2);
             with ``device`` and ``dtype``, used only when ``engine`` is not given.
         strategy: ``"turbo"``, ``"blend"`` or ``"full"``; ``strategy_options`` are
             its options, e.g. ``{"recompute_ratio": 0.15}`` for blend.
-        max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop:
-            sampling (``temperature=0`` is greedy).
+        max_tokens: the most tokens to generate.
+        temperature: sampling temperature (``0`` is greedy).
+        top_p: nucleus sampling mass (1.0: off).
+        top_k: keep only the ``top_k`` likeliest tokens (0: off).
+        repetition_penalty: penalty on tokens already seen (1.0: off).
+        seed: sampling seed.
+        stop: strings that end the answer.
 
     Per call: ``documents=[Document, ...]``, ``strategy=``, the sampling names,
     ``model=`` (another shared engine) and strategy options as keywords.
 
-    Example:
+    Examples:
         >>> llm = ChatKVRAG(strategy="turbo", max_tokens=32)  # doctest: +SKIP
         >>> llm.invoke("Capital of France?", documents=docs).usage_metadata  # doctest: +SKIP
         {'input_tokens': 71, 'output_tokens': 3, 'total_tokens': 74,

@@ -20,13 +20,13 @@ class KVRerankCompressor(BaseDocumentCompressor):
     cache is stored and reused across queries) and land in
     ``metadata[score_key]``.
 
-    Args:
+    Attributes:
         engine: the engine to score with (default: the reranker's, else the shared one).
         reranker: a ``KVReranker`` (default: ``KVReranker(engine)``).
         top_n: documents kept (None: all, reordered).
         score_key: the metadata field for the score.
 
-    Example:
+    Examples:
         >>> compressor = KVRerankCompressor(engine=engine, top_n=2)  # doctest: +SKIP
         >>> compressor.compress_documents(docs, "Who wrote it?")  # doctest: +SKIP
     """

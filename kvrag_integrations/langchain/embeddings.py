@@ -11,11 +11,11 @@ from kvrag_integrations.embeddings import embed_texts
 class MiniLMEmbeddings(BaseModel, Embeddings):
     """Normalized sentence embeddings from the packaged MiniLM (offline, CPU).
 
-    Args:
+    Attributes:
         path: a sentence-transformers model folder (None: the packaged MiniLM).
         batch_size: texts per forward.
 
-    Example:
+    Examples:
         >>> embeddings = MiniLMEmbeddings()
         >>> len(embeddings.embed_query("Where is Paris?"))
         384

@@ -18,7 +18,7 @@ from kvrag_integrations.langchain.embeddings import MiniLMEmbeddings
 def document_id(text: str) -> str:
     """The collection id of a document: sha256 of its text, so re-adding is idempotent.
 
-    Example:
+    Examples:
         >>> document_id("Paris is the capital of France.")[:12]
         '557be7eca214'
     """
@@ -55,7 +55,7 @@ def add_documents(
     Raises:
         InvalidChunkError: a document's text is empty or whitespace.
 
-    Example:
+    Examples:
         >>> ids = add_documents(collection, docs, engine)  # doctest: +SKIP
     """
     if batch_size < 1:

@@ -42,7 +42,7 @@ _CHAT_ROLES = {"human": "user", "ai": "assistant"}
 def message_role(message: BaseMessage) -> str:
     """The chat-template role of a LangChain message.
 
-    Example:
+    Examples:
         >>> message_role(HumanMessage("hi")), message_role(AIMessage("hello"))
         ('user', 'assistant')
     """
@@ -62,7 +62,7 @@ def message_role(message: BaseMessage) -> str:
 def document_texts(documents: Iterable[Document | str] | None) -> list[str]:
     """Texts of documents given explicitly (``Document`` or ``str``), empty ones dropped.
 
-    Example:
+    Examples:
         >>> document_texts([Document(page_content="Ada wrote it."), "Bob ate it.", " "])
         ['Ada wrote it.', 'Bob ate it.']
     """
@@ -141,7 +141,7 @@ def to_engine_messages(
         engine: the engine whose ``chunk_index`` finds chunks in text.
         documents: documents given explicitly; their texts become known chunks.
 
-    Example:
+    Examples:
         >>> msgs, known = to_engine_messages([HumanMessage("Q?")], engine)  # doctest: +SKIP
         >>> engine.prefill(messages=msgs, known_chunks=known).logits  # doctest: +SKIP
     """

@@ -28,14 +28,14 @@ class KVRAGRetriever(BaseRetriever):
     finds it in prompts. ``metadata[CACHE_KEY_FIELD]`` holds the cache key and
     ``metadata["distance"]`` chroma's distance.
 
-    Args:
+    Attributes:
         collection: a chromadb ``Collection``.
         engine: the engine whose store holds the caches (default: the shared one).
         embeddings: any LangChain ``Embeddings``.
         k: documents per query (also a per-call keyword: ``invoke(q, k=3)``).
         where: a chroma metadata filter (also per call).
 
-    Example:
+    Examples:
         >>> retriever = KVRAGRetriever(collection=collection, engine=engine, k=5)  # doctest: +SKIP
         >>> retriever.invoke("Who wrote it?")[0].metadata["kvrag_cache_key"]  # doctest: +SKIP
         '3f1c...'

@@ -1,6 +1,6 @@
 """LlamaIndex adapters: ingest with KV caches, answer with cache reuse.
 
-Example:
+Examples:
     >>> from kvrag_integrations.llama_index import KVCacheTransform, KVRAGLLM  # doctest: +SKIP
     >>> index = VectorStoreIndex.from_documents(
     ...     docs, embed_model=MiniLMEmbedding(),

@@ -22,7 +22,7 @@ async def iterate_in_thread(items: Iterator[T]) -> AsyncIterator[T]:
     thread that took it. If the consumer stops early, the worker stops after the
     item in flight and closes the iterator on its own thread.
 
-    Example:
+    Examples:
         >>> async def collect():
         ...     return [x async for x in iterate_in_thread(iter([1, 2, 3]))]
         >>> asyncio.run(collect())

@@ -15,11 +15,11 @@ class MiniLMEmbedding(BaseEmbedding):
 
     Vectors are L2-normalized; queries and passages share one encoder.
 
-    Args:
+    Attributes:
         path: a sentence-transformers model folder (default: the packaged MiniLM).
         embed_batch_size: texts per forward.
 
-    Example:
+    Examples:
         >>> embed_model = MiniLMEmbedding()
         >>> len(embed_model.get_text_embedding("Paris is in France."))  # doctest: +SKIP
         384

@@ -45,7 +45,7 @@ _INSTALL_LOCK = threading.Lock()
 def note_nodes(nodes: Iterable[BaseNode | NodeWithScore]) -> None:
     """Remember the nodes' LLM texts as chunks of the current request.
 
-    Example:
+    Examples:
         >>> from llama_index.core.schema import TextNode
         >>> note_nodes([TextNode(text="Paris is the capital of France.")])
         >>> request_chunks()[-1]

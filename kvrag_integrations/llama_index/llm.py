@@ -58,13 +58,24 @@ class KVRAGLLM(CustomLLM):
     Args:
         engine: a ``KVRAGEngine``; or leave it out and give ``model`` (plus ``device``,
             ``dtype``) to use ``KVRAGEngine.shared``.
+        **kwargs: the fields below (and LlamaIndex's own, e.g. ``system_prompt``).
+
+    Attributes:
+        model: the model to load when no engine is given (HF id, directory, ``.gguf``).
+        device: the device for a model loaded by name.
+        dtype: the dtype for a model loaded by name.
         strategy: ``"full"``, ``"turbo"`` or ``"blend"``.
         strategy_options: e.g. ``{"recompute_ratio": 0.15}`` for blend.
-        max_new_tokens, temperature, top_p, seed, stop: decoding (``temperature=0``
-            is greedy). ``system_prompt``: added by ``complete`` and, as LlamaIndex
-            does, by ``predict``; ``chat`` sends the messages as given.
+        max_new_tokens: the most tokens to generate.
+        temperature: sampling temperature (``0`` is greedy).
+        top_p: nucleus sampling mass (1.0: off).
+        seed: sampling seed.
+        stop: strings that end the answer.
 
-    Example:
+    ``system_prompt`` is added by ``complete`` and, as LlamaIndex does, by
+    ``predict``; ``chat`` sends the messages as given.
+
+    Examples:
         >>> llm = KVRAGLLM(engine, strategy="blend", max_new_tokens=64)  # doctest: +SKIP
         >>> query_engine = index.as_query_engine(llm=llm)  # doctest: +SKIP
         >>> print(query_engine.query("Who wrote it?"))  # doctest: +SKIP

@@ -21,11 +21,14 @@ class KVRerankPostprocessor(BaseNodePostprocessor):
 
     Args:
         reranker: a ``kvrag_integrations.rerank.KVReranker``.
+        **kwargs: the fields below.
+
+    Attributes:
         top_n: nodes kept (None: the reranker's own ``top_n``).
         metadata_mode: which node text is judged (default ``EMBED``, as LlamaIndex's
             rerankers do; the cache key is excluded from it).
 
-    Example:
+    Examples:
         >>> from kvrag_integrations.rerank import KVReranker  # doctest: +SKIP
         >>> rerank = KVRerankPostprocessor(KVReranker(engine), top_n=3)  # doctest: +SKIP
         >>> query_engine = index.as_query_engine(

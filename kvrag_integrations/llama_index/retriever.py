@@ -27,7 +27,7 @@ class KVRAGRetriever(BaseRetriever):
         similarity_top_k: passed to ``index.as_retriever`` when an index is given.
         batch_size: chunks per forward when encoding missing caches.
 
-    Example:
+    Examples:
         >>> from llama_index.core.query_engine import RetrieverQueryEngine  # doctest: +SKIP
         >>> retriever = KVRAGRetriever(engine, index, similarity_top_k=3)  # doctest: +SKIP
         >>> query_engine = RetrieverQueryEngine.from_args(

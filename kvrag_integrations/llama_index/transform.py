@@ -24,11 +24,14 @@ class KVCacheTransform(TransformComponent):
 
     Args:
         engine: the ``KVRAGEngine`` whose store receives the caches.
+        **kwargs: the fields below.
+
+    Attributes:
         batch_size: chunks per forward.
         show_progress: a progress bar (``IngestionPipeline.run(show_progress=...)``
             overrides it).
 
-    Example:
+    Examples:
         >>> from llama_index.core.ingestion import IngestionPipeline  # doctest: +SKIP
         >>> from llama_index.core.node_parser import SentenceSplitter  # doctest: +SKIP
         >>> pipeline = IngestionPipeline(transformations=[

@@ -1,6 +1,6 @@
 """Decoder reranking with document-KV reuse (HyperRAG, arXiv 2504.02921).
 
-Example:
+Examples:
     >>> from kvrag_integrations.rerank import KVReranker  # doctest: +SKIP
     >>> reranker = KVReranker(engine, top_n=3)  # doctest: +SKIP
     >>> reranker.rerank("Who wrote it?", ["Ada wrote it.", "Bob ate it."])  # doctest: +SKIP

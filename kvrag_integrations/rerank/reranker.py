@@ -65,7 +65,7 @@ class KVReranker:
             live in their own space, so sharing the engine's store is safe.
         batch_size: candidates per forward.
 
-    Example:
+    Examples:
         >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
         >>> reranker = KVReranker(engine, top_n=1)  # doctest: +SKIP
         >>> docs = ["Pasta is Italian.", "Canberra is the capital of Australia."]
@@ -106,7 +106,7 @@ class KVReranker:
     ) -> KVReranker:
         """Load a model for reranking (None: the bundled SmolLM2-135M-Instruct).
 
-        Example:
+        Examples:
             >>> reranker = KVReranker.from_pretrained(top_n=3)  # doctest: +SKIP
         """
         from kvrag_integrations.engine.engine import KVRAGEngine
@@ -138,7 +138,7 @@ class KVReranker:
 
         Empty documents are skipped: they are never scored by the model.
 
-        Example:
+        Examples:
             >>> reranker.encode_documents(["Canberra is the capital."])  # doctest: +SKIP
             1
         """
@@ -166,7 +166,7 @@ class KVReranker:
             ValueError: ``query`` is empty or whitespace only.
             ContextWindowExceededError: a prompt does not fit the model's context.
 
-        Example:
+        Examples:
             >>> reranker.score("Capital of Australia?", ["Canberra is.", ""])  # doctest: +SKIP
             [-1.9..., -inf]
         """
@@ -206,7 +206,7 @@ class KVReranker:
 
         Ties keep input order; empty documents (``-inf``) come last.
 
-        Example:
+        Examples:
             >>> reranker.rerank("Capital of Australia?", docs, top_n=2)  # doctest: +SKIP
             [(3, -1.9...), (0, -2.4...)]
         """

@@ -65,7 +65,7 @@ class RerankTemplate:
             tokenizer, the plain text is used.
         system: the system message for ``chat=True`` (None: the template's default).
 
-    Example:
+    Examples:
         >>> t = RerankTemplate("plain", "Doc: ", " Query: ", " Relevant (Yes/No)?")
         >>> t.render(None).before_query
         ' Query: '
@@ -167,7 +167,7 @@ TEMPLATES: dict[str, RerankTemplate] = {
 def get_template(template: str | RerankTemplate | None) -> RerankTemplate:
     """Return a preset by name (``"default"``, ``"qwen3-reranker"``, ``"bge-gemma"``).
 
-    Example:
+    Examples:
         >>> get_template("bge-gemma").name
         'bge-gemma-v1'
     """
@@ -187,7 +187,7 @@ def get_template(template: str | RerankTemplate | None) -> RerankTemplate:
 def answer_token_ids(tokenizer: Any, variants: Sequence[str]) -> list[int]:
     """The ids of the ``variants`` that are a single token, deduplicated.
 
-    Example:
+    Examples:
         >>> class Tok:
         ...     def __call__(self, text, add_special_tokens=False):
         ...         return {"input_ids": [len(text)] if text.strip() == text else [0, 1]}
@@ -210,7 +210,7 @@ class TokenizedTemplate:
     the suffix (text after the document, query, question) is tokenized as one
     piece since it is never cached.
 
-    Example:
+    Examples:
         >>> tok = lambda text, add_special_tokens=False: {"input_ids": [len(text)]}
         >>> p = TokenizedTemplate(get_template("bge-gemma"), tok)
         >>> p.prefix_ids("Canberra").tolist()  # "A:" then " Canberra"

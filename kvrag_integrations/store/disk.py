@@ -40,7 +40,7 @@ class DiskKVStore(KVStore):
     Args:
         root: the cache directory.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from kvrag_integrations.engine.kv import ChunkKV
         >>> kv = ChunkKV(torch.arange(3), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), "fp")

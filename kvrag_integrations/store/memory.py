@@ -25,7 +25,7 @@ class MemoryKVStore(KVStore):
     Args:
         max_bytes: the byte budget, or ``None`` for no bound.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from kvrag_integrations.engine.kv import ChunkKV
         >>> kv = ChunkKV(torch.arange(3), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), "fp")

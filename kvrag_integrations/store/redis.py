@@ -69,7 +69,7 @@ class RedisKVStore(KVStore):
         max_value_bytes: the largest single Redis value; bigger entries are split.
         socket_timeout: seconds to wait on the server (connect and each read/write).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from kvrag_integrations.engine.kv import ChunkKV
         >>> kv = ChunkKV(torch.arange(3), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), "fp")

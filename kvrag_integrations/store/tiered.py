@@ -33,7 +33,7 @@ class TieredKVStore(KVStore):
         max_bytes: the memory tier's budget in bytes (``None``: unbounded).
         device: where the memory tier keeps tensors (``None``: as they come).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from kvrag_integrations.engine.kv import ChunkKV
         >>> from kvrag_integrations.store import DiskKVStore

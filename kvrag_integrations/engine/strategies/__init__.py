@@ -1,6 +1,6 @@
 """Prompt-cache strategies, one class each, behind one interface.
 
-Example:
+Examples:
     >>> make_strategy("turbo").name
     'turbo'
 """

@@ -45,7 +45,7 @@ class CacheBlend(Strategy):
             answer to each chunk's spurious attention sink).
         positions: ``"reordered"`` or ``"composite"``, as for turbo.
 
-    Example:
+    Examples:
         >>> CacheBlend(recompute_ratio=0.15).name
         'blend'
     """
