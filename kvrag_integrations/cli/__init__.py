@@ -8,7 +8,7 @@ Errors the user can fix (a missing path, an unknown store URL, an empty
 collection, a bad option value) end with a one-line message on stderr and exit
 code 2, never a traceback.
 
-Example:
+Examples:
     >>> main(["store", "stats", "--store", "s3://nowhere"])
     2
 """

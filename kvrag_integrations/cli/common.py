@@ -103,7 +103,7 @@ def get_collection(client: Any, name: str, *, create: bool) -> Any:
 def human_bytes(n: float) -> str:
     """``1536`` -> ``'1.5 KiB'``.
 
-    Example:
+    Examples:
         >>> human_bytes(0), human_bytes(1536), human_bytes(3 * 2**30)
         ('0 B', '1.5 KiB', '3.0 GiB')
     """

@@ -84,7 +84,7 @@ def select_for_pruning(
     Returns:
         The chosen entries, in the order they should be deleted.
 
-    Example:
+    Examples:
         >>> infos = [EntryInfo("a", 10, 100.0, "m"), EntryInfo("b", 10, 200.0, "m"),
         ...          EntryInfo("c", 10, 300.0, "other")]
         >>> [i.key for i in select_for_pruning(infos, foreign_to="m")]

@@ -25,7 +25,7 @@ def open_store(url: str) -> KVStore:
     Raises:
         StoreURLError: the URL has another form, or ``disk:`` has no directory.
 
-    Example:
+    Examples:
         >>> open_store("disk:./kv").root.as_posix()
         'kv'
         >>> type(open_store("memory")).__name__
