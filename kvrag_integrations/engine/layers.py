@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from kvrag_integrations.engine.rope import rotate_half
 
-# selector(layer_index, fresh_k, fresh_v, computed_idx) -> bool keep-mask over computed_idx
-Selector = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# selector(layer_index, fresh_q, fresh_k, fresh_v, computed_idx) -> bool keep-mask over
+# computed_idx; q is [heads, n, head_dim], k and v [kv_heads, n, head_dim], post-RoPE.
+Selector = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -139,7 +140,7 @@ def run_layers(
         compute_idx: sorted indices of the tokens to compute; must include the last.
         full_layers: the first ``full_layers`` layers compute *every* token and write
             its K/V (CacheBlend's full layer 0).
-        selector: called at layer ``full_layers`` with the fresh K/V of every token;
+        selector: called at layer ``full_layers`` with the fresh Q/K/V of every token;
             returns which of them to keep computing (tokens in ``compute_idx`` must
             be kept). Only kept tokens' K/V are written from that layer on.
 
@@ -164,15 +165,15 @@ def run_layers(
         cos, sin = inner.rotary_emb(hidden, kv.positions.to(device)[idx].unsqueeze(0))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         k = _apply_rope(k, cos, sin)
-        if selector is not None and layer_no == full_layers:
-            keep = selector(layer_no, k[0], v[0], idx)
-            keep |= torch.isin(idx, compute_idx.to(device))
-            idx, hidden, x = idx[keep], hidden[:, keep], x[:, keep]
-            k, v, cos, sin = k[:, :, keep], v[:, :, keep], cos[:, :, keep], sin[:, :, keep]
         q = attn.q_proj(x).view(1, idx.numel(), -1, head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):
             q = attn.q_norm(q)
         q = _apply_rope(q, cos, sin)
+        if selector is not None and layer_no == full_layers:
+            keep = selector(layer_no, q[0], k[0], v[0], idx)
+            keep |= torch.isin(idx, compute_idx.to(device))
+            idx, hidden = idx[keep], hidden[:, keep]
+            q, k, v = q[:, :, keep], k[:, :, keep], v[:, :, keep]
         kv.keys[layer_no][:, idx] = k[0]
         kv.values[layer_no][:, idx] = v[0]
         out = _attend(

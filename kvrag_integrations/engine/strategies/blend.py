@@ -29,6 +29,7 @@ from kvrag_integrations.engine.strategies.turbo import (
 )
 
 DEVIATIONS = ("value", "key", "both")
+WEIGHTINGS = ("none", "attention")
 
 
 class CacheBlend(Strategy):
@@ -43,6 +44,10 @@ class CacheBlend(Strategy):
             ``"both"``.
         recompute_first: also recompute the first N tokens of every chunk (EPIC's
             answer to each chunk's spurious attention sink).
+        weighting: ``"none"`` ranks tokens by deviation alone (the reference);
+            ``"attention"`` weighs each token's per-head deviation by the attention
+            the question (the text after the last chunk) pays it at the check
+            layer: a deviation nobody attends to does not change the answer.
         positions: ``"reordered"`` or ``"composite"``, as for turbo.
 
     Examples:
@@ -59,6 +64,7 @@ class CacheBlend(Strategy):
         deviation: str = "value",
         recompute_first: int = 0,
         positions: str = "reordered",
+        weighting: str = "none",
     ) -> None:
         if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)):
             raise TypeError("recompute_ratio must be a number in [0, 1]")
@@ -72,6 +78,9 @@ class CacheBlend(Strategy):
             raise ValueError("recompute_first must be an int >= 0")
         if positions not in POSITION_MODES:
             raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        self.weighting = weighting
         self.recompute_ratio = float(recompute_ratio)
         self.check_layer = check_layer
         self.deviation = deviation
@@ -92,8 +101,9 @@ class CacheBlend(Strategy):
             candidates[: prompt.pieces[0].ids.numel()] = False
         forced = self._chunk_starts(prompt, kv) if self.recompute_first else None
 
-        def select(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, idx: torch.Tensor):
-            return self.pick(kv, layer, fresh_k, fresh_v, idx, candidates, forced)
+        def select(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx):
+            scale = lm.model.layers[layer].self_attn.scaling
+            return self.pick(kv, layer, q, k, v, idx, candidates, forced, scale)
 
         todo = with_last(uncached, kv.num_tokens)
         logits, computed = run_layers(lm, kv, todo, full_layers=self.check_layer, selector=select)
@@ -103,11 +113,13 @@ class CacheBlend(Strategy):
         self,
         kv: PromptKV,
         layer: int,
+        fresh_q: torch.Tensor,
         fresh_k: torch.Tensor,
         fresh_v: torch.Tensor,
         idx: torch.Tensor,
         candidates: torch.Tensor,
         forced: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
         """Keep-mask over ``idx``: the top ``recompute_ratio`` of ``candidates`` by deviation."""
         cached = candidates[idx]
@@ -117,11 +129,14 @@ class CacheBlend(Strategy):
             keep |= forced[idx]
         if n_keep == 0:
             return keep
-        score = torch.zeros(idx.numel(), device=idx.device)
+        dev = torch.zeros(fresh_k.shape[:2], device=idx.device)  # [kv_heads, n]
         if self.deviation in ("value", "both"):
-            score += _sq_dist(fresh_v, kv.values[layer][:, idx])
+            dev += _sq_dist(fresh_v, kv.values[layer][:, idx])
         if self.deviation in ("key", "both"):
-            score += _sq_dist(fresh_k, kv.keys[layer][:, idx])
+            dev += _sq_dist(fresh_k, kv.keys[layer][:, idx])
+        if self.weighting == "attention":
+            dev = dev.sqrt() * _question_attention(fresh_q, fresh_k, idx, cached, scale)
+        score = dev.sum(dim=0)
         score[~cached] = float("-inf")
         keep[torch.topk(score, n_keep).indices] = True
         return keep
@@ -137,5 +152,24 @@ class CacheBlend(Strategy):
 
 
 def _sq_dist(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-    """Per-token squared L2 distance summed over heads: ``[heads, n, d] -> [n]``."""
-    return (fresh.float() - stored.float()).pow(2).sum(dim=(0, 2))
+    """Per-head, per-token squared L2 distance: ``[heads, n, d] -> [heads, n]``."""
+    return (fresh.float() - stored.float()).pow(2).sum(dim=-1)
+
+
+def _question_attention(
+    q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, cached: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention the tokens after the last cached one pay each token, per KV head.
+
+    ``q`` is ``[heads, n, d]``, ``k`` ``[kv_heads, n, d]``; returns ``[kv_heads, n]``
+    (summed over the query heads of each KV group and over the question tokens).
+    """
+    last_cached = int(cached.nonzero().max())
+    tail = torch.arange(last_cached + 1, idx.numel(), device=idx.device)
+    group = q.shape[0] // k.shape[0]
+    qt = q[:, tail].float()  # [heads, t, d]
+    kk = k.float().repeat_interleave(group, dim=0)  # [heads, n, d]
+    scores = (qt @ kk.transpose(-1, -2)) * scale
+    visible = idx.unsqueeze(0) <= idx[tail].unsqueeze(1)  # causal, by sequence index
+    attn = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [heads, t, n]
+    return attn.view(k.shape[0], group, tail.numel(), -1).sum(dim=(1, 2))
