@@ -116,6 +116,23 @@ def scaling_lines(payload: dict[str, Any], path: Path, sweep: str) -> Path:
     return _save(fig, path)
 
 
+def ratio_of(row: dict[str, Any]) -> float | None:
+    """A quality row's recompute ratio (older results lack the field: read the label).
+
+    Example:
+        >>> ratio_of({"strategy": "blend@0.15"}), ratio_of({"strategy": "turbo"})
+        (0.15, 0.0)
+    """
+    if row.get("recompute_ratio") is not None:
+        return float(row["recompute_ratio"])
+    name = row["strategy"]
+    if name in ("turbo", "full"):
+        return 0.0 if name == "turbo" else 1.0
+    if name.startswith("blend@"):
+        return float(name.removeprefix("blend@"))
+    return None
+
+
 def quality_tradeoff(payload: dict[str, Any], path: Path) -> Path:
     """The CacheBlend trade-off: KL and top-1 agreement against the recompute ratio.
 
@@ -124,7 +141,11 @@ def quality_tradeoff(payload: dict[str, Any], path: Path) -> Path:
     """
     plt = _pyplot()
     rows = sorted(
-        (r for r in payload["results"] if r.get("recompute_ratio") is not None),
+        (
+            {**r, "recompute_ratio": ratio_of(r)}
+            for r in payload["results"]
+            if ratio_of(r) is not None
+        ),
         key=lambda r: r["recompute_ratio"],
     )
     xs = [r["recompute_ratio"] for r in rows]

@@ -187,7 +187,7 @@ def table(payload: dict[str, Any]) -> str:
 
 def plot(payload: dict[str, Any], out_dir: Path, name: str = "quality") -> list[Path]:
     """``<name>-tradeoff.png``: KL and top-1 agreement against the recompute ratio."""
-    points = [r for r in payload["results"] if r.get("recompute_ratio") is not None]
+    points = [r for r in payload["results"] if plots.ratio_of(r) is not None]
     if len(points) < 2:
         return []
     return [plots.quality_tradeoff(payload, out_dir / f"{name}-tradeoff.png")]

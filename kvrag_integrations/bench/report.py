@@ -1,8 +1,9 @@
 """Turn a folder of suite results into docs/benchmarks.md and the README table.
 
 ``python -m kvrag_integrations.bench report --results docs/bench`` reads the
-``<suite>.json`` files the suites wrote, renders each suite's table with the
-command and machine that produced it, writes ``docs/benchmarks.md`` and
+``<suite>.json`` files the suites wrote, redraws their PNG plots from them
+(next to the JSON), renders each suite's table and plots with the command and
+machine that produced it, writes ``docs/benchmarks.md`` and
 replaces the README block between ``<!-- bench:start -->`` and
 ``<!-- bench:end -->``.
 """
@@ -16,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvrag_integrations.bench import memory, peer, quality, rerank, scaling, ttft
+from kvrag_integrations.bench import memory, peer, plots, quality, rerank, scaling, ttft
 
 SECTIONS = [
     ("ttft", ttft, "Time to first token by strategy"),
@@ -101,11 +102,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", default="docs/bench", help="folder of <suite>.json files")
     parser.add_argument("--docs", default="docs/benchmarks.md")
     parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--no-plots", action="store_true", help="do not redraw the PNG files")
     args = parser.parse_args(argv)
     results = Path(args.results)
     found = load(results)
     if not found:
         raise SystemExit(f"no suite results in {args.results}")
+    if not args.no_plots and plots.available():  # redraw from the JSON: always in step
+        for name, payload in found.items():
+            module = next(m for n, m, _ in SECTIONS if n == name)
+            if hasattr(module, "plot"):
+                module.plot(payload, results, name)
     docs = Path(args.docs)
     head = docs.read_text().split(START)[0] if docs.is_file() else "# Benchmarks\n\n"
     body = "\n\n".join(section(n, p, images(n, results, docs)) for n, p in found.items())
