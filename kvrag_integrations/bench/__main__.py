@@ -100,6 +100,8 @@ def run_suite(
     """Run one suite, write its JSON, Markdown table and plots, print the table."""
     module = SUITES[name]
     started = time.perf_counter()
+    if args.quick and args.items is None:  # a suite's smoke run may need fewer questions
+        items = items[: getattr(module, "QUICK", {}).get("items", len(items))]
     payload = module.run(engine, items, **suite_options(module, args))
     payload["suite_s"] = round(time.perf_counter() - started, 1)
     payload["machine"] = machine_info(engine)

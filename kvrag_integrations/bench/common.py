@@ -169,6 +169,8 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     """
 
     def cell(v: Any) -> str:
+        if v is None or (isinstance(v, float) and not math.isfinite(v)):
+            return "-"
         if isinstance(v, float):
             return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
         return str(v)

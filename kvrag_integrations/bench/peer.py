@@ -38,7 +38,7 @@ STRATEGIES: list[tuple[str, dict[str, Any]]] = [
     ("turbo", {}),
     ("blend", {"recompute_ratio": 0.15}),
 ]
-QUICK = {"n_chunks": 2, "chunk_tokens": 16, "repeats": 1, "max_new_tokens": 2}
+QUICK = {"items": 1, "n_chunks": 2, "chunk_tokens": 16, "repeats": 1, "max_new_tokens": 2}
 
 
 def prompt_text(question: str, chunks: list[str]) -> str:

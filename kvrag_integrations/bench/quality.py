@@ -42,7 +42,7 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
 
 PRESETS = {"default": DEFAULT_STRATEGIES, "ablation": ABLATION}
 # Smoke run: full, turbo, blend@0.15 (three points of the trade-off curve).
-QUICK = {"n_chunks": 3, "chunk_tokens": 32, "repeats": 1, "max_new_tokens": 4,
+QUICK = {"items": 1, "n_chunks": 3, "chunk_tokens": 32, "repeats": 1, "max_new_tokens": 4,
          "strategies": DEFAULT_STRATEGIES[:2] + DEFAULT_STRATEGIES[3:4]}  # fmt: skip
 
 

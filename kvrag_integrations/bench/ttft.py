@@ -12,6 +12,7 @@ from kvrag_integrations.bench.quality import DEFAULT_STRATEGIES, label
 from kvrag_integrations.engine.engine import KVRAGEngine
 
 QUICK = {
+    "items": 1,
     "n_chunks": 3,
     "chunk_tokens": 32,
     "repeats": 1,
