@@ -110,7 +110,8 @@ def run_suite(
     out_name = name if args.preset in (None, "default") else f"{name}-{args.preset}"
     path = write_results(args.out, out_name, payload, text)
     pngs = []
-    if not args.no_plots and hasattr(module, "plot") and plots.available():
+    plot = not args.no_plots and args.preset in (None, "default") and hasattr(module, "plot")
+    if plot and plots.available():
         pngs = module.plot(payload, path.parent, out_name)
     print(f"\n## {out_name}\n\n{text}")
     print(f"results: {path}" + "".join(f"\nplot: {p}" for p in pngs))

@@ -99,10 +99,14 @@ def scaling_lines(payload: dict[str, Any], path: Path, sweep: str) -> Path:
         ax.plot(xs, ys, marker="o", label=name, color=color(name, i))
     ax.plot(xs, [p["floor_ms"] for p in points], linestyle="--", marker=".",
             color=COLORS["floor"], label="query-only floor")  # fmt: skip
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.minorticks_off()
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     if sweep == "chunks":
         ax.set_xlabel(f"chunks in the prompt ({payload['chunk_tokens']} tokens each)")
         title = "TTFT vs number of chunks"

@@ -33,7 +33,6 @@ PLOTS = {
     "ttft": [""],
     "scaling": ["-chunks", "-length"],
     "quality": ["-tradeoff"],
-    "quality-ablation": ["-tradeoff"],
     "peer": [""],
 }
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_plots and plots.available():  # redraw from the JSON: always in step
         for name, payload in found.items():
             module = next(m for n, m, _ in SECTIONS if n == name)
-            if hasattr(module, "plot"):
+            if name in PLOTS and hasattr(module, "plot"):
                 module.plot(payload, results, name)
     docs = Path(args.docs)
     head = docs.read_text().split(START)[0] if docs.is_file() else "# Benchmarks\n\n"
