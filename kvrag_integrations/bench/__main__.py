@@ -90,7 +90,7 @@ def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any
     if args.preset not in (None, "default"):
         given["strategies"] = module.PRESETS[args.preset]
     options.update({k: v for k, v in given.items() if v is not None})
-    accepted = inspect.signature(module.run).parameters
+    accepted = set(inspect.signature(module.run).parameters) - {"engine", "items"}
     return {k: v for k, v in options.items() if k in accepted}
 
 
