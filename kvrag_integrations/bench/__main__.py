@@ -1,23 +1,120 @@
-"""``python -m kvrag_integrations.bench <suite>``: run a benchmark suite.
+"""``python -m kvrag_integrations.bench <suite>``: run a benchmark suite (or ``all``).
 
-Suites: ``ttft`` (TTFT of every strategy), ``quality`` (speed and fidelity to
-full prefill, F1 against gold), ``rerank`` (reranker throughput with and
-without reuse, recall@3). Each writes ``<suite>.json`` (numbers + machine
-facts + the command) and ``<suite>.md`` (a table) under ``--out``.
+Suites: ``ttft`` (TTFT of every strategy), ``scaling`` (TTFT against the number
+and length of chunks, with the query-only floor), ``quality`` (speed and
+fidelity to full prefill, F1 and log-likelihood against gold), ``rerank``
+(reranker throughput with and without reuse, recall@3), ``peer``
+(LlamaIndex's HuggingFaceLLM against KVRAGLLM), ``memory`` (stored bytes per
+token and store read throughput). ``all`` runs them in that order on one
+loaded model. Each writes ``<suite>.json`` (numbers + machine facts + the
+command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
+``--quick`` shrinks every suite to a smoke run (a few items, tiny chunks).
 ``report`` turns a results folder into docs/benchmarks.md and the README table.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
+import time
+from types import ModuleType
+from typing import Any
 
-from kvrag_integrations.bench import quality, report, rerank, ttft
-from kvrag_integrations.bench.common import load_items, machine_info, write_results
+from kvrag_integrations.bench import memory, peer, plots, quality, report, rerank, scaling, ttft
+from kvrag_integrations.bench.common import (
+    load_items,
+    machine_info,
+    resolve_device,
+    write_results,
+)
 from kvrag_integrations.engine.engine import KVRAGEngine
 
-SUITES = {"ttft": ttft, "quality": quality, "rerank": rerank}
+SUITES: dict[str, ModuleType] = {
+    "ttft": ttft,
+    "scaling": scaling,
+    "quality": quality,
+    "rerank": rerank,
+    "peer": peer,
+    "memory": memory,
+}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvrag_integrations.bench")
+    p.add_argument("suite", choices=[*SUITES, "all"])
+    p.add_argument("--model", default=None, help="HF id, path or .gguf (default: SmolLM2)")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, ...")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--data", default=None, help="MuSiQue-format JSON (default: ../shared/data)")
+    p.add_argument("--items", type=int, default=None, help="questions to run (default 5)")
+    p.add_argument("--chunks", type=int, default=None, help="chunks (candidates) per prompt")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="trim chunks to N tokens")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
+    p.add_argument(
+        "--ratios", type=_floats, default=None, help="blend recompute ratios, e.g. 0.05,0.15"
+    )
+    p.add_argument("--counts", type=_ints, default=None, help="scaling: chunk counts, e.g. 1,2,4")
+    p.add_argument("--lengths", type=_ints, default=None, help="scaling: chunk lengths (tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="quality/peer: answer length")
+    p.add_argument("--preset", default=None, help="strategy set: default, or ablation (quality)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 items, tiny sizes")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG files")
+    p.add_argument("--out", default="bench_results")
+    return p
+
+
+def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    """The suite's ``run`` keyword arguments: its ``QUICK`` preset, then what was given."""
+    options: dict[str, Any] = dict(getattr(module, "QUICK", {})) if args.quick else {}
+    given = {
+        "n_chunks": args.chunks,
+        "chunk_tokens": args.chunk_tokens,
+        "repeats": args.repeats,
+        "counts": args.counts,
+        "lengths": args.lengths,
+        "max_new_tokens": args.max_new_tokens,
+    }
+    if args.ratios is not None:
+        given["strategies"] = [("full", {}), ("turbo", {})]
+        given["strategies"] += [("blend", {"recompute_ratio": r}) for r in args.ratios]
+    if args.preset not in (None, "default"):
+        given["strategies"] = module.PRESETS[args.preset]
+    options.update({k: v for k, v in given.items() if v is not None})
+    accepted = set(inspect.signature(module.run).parameters) - {"engine", "items"}
+    return {k: v for k, v in options.items() if k in accepted}
+
+
+def run_suite(
+    name: str, engine: KVRAGEngine, items: list, args: argparse.Namespace, command: str
+) -> None:
+    """Run one suite, write its JSON, Markdown table and plots, print the table."""
+    module = SUITES[name]
+    started = time.perf_counter()
+    if args.quick and args.items is None:  # a suite's smoke run may need fewer questions
+        items = items[: getattr(module, "QUICK", {}).get("items", len(items))]
+    payload = module.run(engine, items, **suite_options(module, args))
+    payload["suite_s"] = round(time.perf_counter() - started, 1)
+    payload["machine"] = machine_info(engine)
+    payload["command"] = command
+    text = module.table(payload)
+    out_name = name if args.preset in (None, "default") else f"{name}-{args.preset}"
+    path = write_results(args.out, out_name, payload, text)
+    pngs = []
+    plot = not args.no_plots and args.preset in (None, "default") and hasattr(module, "plot")
+    if plot and plots.available():
+        pngs = module.plot(payload, path.parent, out_name)
+    print(f"\n## {out_name}\n\n{text}")
+    print(f"results: {path}" + "".join(f"\nplot: {p}" for p in pngs))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,46 +123,22 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["report"]:
         report.main(argv[1:])
         return
-    parser = argparse.ArgumentParser(prog="python -m kvrag_integrations.bench")
-    parser.add_argument("suite", choices=sorted(SUITES))
-    parser.add_argument("--model", default=None, help="HF id, path or .gguf (default: SmolLM2)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument(
-        "--data", default=None, help="MuSiQue-format JSON (default: ../shared/data)"
-    )
-    parser.add_argument("--items", type=int, default=5, help="questions to run")
-    parser.add_argument("--chunks", type=int, default=None, help="chunks (candidates) per prompt")
-    parser.add_argument("--chunk-tokens", type=int, default=None, help="trim chunks to N tokens")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
-    parser.add_argument(
-        "--preset", default=None, help="strategy set: default, or ablation (quality only)"
-    )
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 items, tiny chunks")
-    parser.add_argument("--out", default="bench_results")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.items, args.repeats, args.chunks, args.chunk_tokens = 2, 1, 3, 64
-    # Unset options keep each suite's own defaults (see each suite's run()).
-    given = {"n_chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "repeats": args.repeats}
-    options = {k: v for k, v in given.items() if v is not None}
-    if args.preset is not None:
-        presets = getattr(SUITES[args.suite], "PRESETS", {})
-        if args.preset not in presets:
-            parser.error(f"suite {args.suite} has no preset {args.preset!r} ({sorted(presets)})")
-        options["strategies"] = presets[args.preset]
-
-    engine = KVRAGEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    items = load_items(args.data, args.items)
-    suite = SUITES[args.suite]
-    payload = suite.run(engine, items, **options)
-    payload["machine"] = machine_info(engine)
-    payload["command"] = "python -m kvrag_integrations.bench " + " ".join(argv)
-    text = suite.table(payload)
-    name = args.suite if args.preset in (None, "default") else f"{args.suite}-{args.preset}"
-    path = write_results(args.out, name, payload, text)
-    print(text)
-    print(f"\n{json.dumps(payload['machine'])}\nresults: {path}")
+    p = parser()
+    args = p.parse_args(argv)
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    custom = args.preset not in (None, "default")
+    if custom and (
+        args.suite == "all" or args.preset not in SUITES[args.suite].__dict__.get("PRESETS", {})
+    ):
+        p.error(f"suite {args.suite} has no preset {args.preset!r}")
+    device = resolve_device(args.device)
+    engine = KVRAGEngine.shared(args.model, device=device, dtype=args.dtype)
+    count = args.items if args.items is not None else (2 if args.quick else 5)
+    items = load_items(args.data, count)
+    command = "python -m kvrag_integrations.bench " + " ".join(argv)
+    for name in names:
+        run_suite(name, engine, items, args, command)
+    print(f"\n{json.dumps(machine_info(engine))}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -55,6 +56,21 @@ def trim_to_tokens(tokenizer: Any, text: str, n_tokens: int) -> str:
     return tokenizer.decode(ids).strip()
 
 
+def chunk_pool(tokenizer: Any, items: list[RagItem], n_tokens: int) -> list[str]:
+    """Distinct passages of at least ``n_tokens`` tokens, each cut to exactly that many."""
+    seen, pool = set(), []
+    for item in items:
+        for text in item.chunks:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) < n_tokens:
+                continue
+            cut = tokenizer.decode(ids[:n_tokens]).strip()
+            if cut and cut not in seen:
+                seen.add(cut)
+                pool.append(cut)
+    return pool
+
+
 def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
     """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
     for _ in range(warmup):
@@ -69,24 +85,67 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, 
 
 def machine_info(engine: Any = None) -> dict[str, Any]:
     """Where a figure came from: CPU/GPU, threads, versions, model and dtype."""
-    import transformers
-
     info: dict[str, Any] = {
         "cpu": _cpu_name(),
+        "cpu_cores": os.cpu_count(),
         "cpu_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "platform": platform.platform(terse=True),
         "date": time.strftime("%Y-%m-%d"),
     }
+    info.update(package_versions())
     if engine is not None:
         info.update(
             model=engine.model_name,
             device=str(engine.device),
             dtype=str(engine.loaded.dtype).replace("torch.", ""),
+            context_window=engine.context_window,
         )
     return info
+
+
+_PACKAGES = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "llama_index_core": "llama-index-core",
+    "llama_index_llms_huggingface": "llama-index-llms-huggingface",
+    "numpy": "numpy",
+    "kvrag_integrations": "kvrag-integrations",
+}
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages a figure depends on (None: not installed)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for field, dist in _PACKAGES.items():
+        try:
+            out[field] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[field] = None
+    out["torch"] = torch.__version__  # the build tag (+cpu, +cu124) matters
+    return out
+
+
+def resolve_device(device: str | None) -> str:
+    """``"auto"``/None: ``"cuda"`` when a GPU is visible, else ``"cpu"``.
+
+    Example:
+        >>> resolve_device("cpu")
+        'cpu'
+    """
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def sync(engine: Any) -> None:
+    """Wait for queued GPU work (a no-op on CPU) so wall times are real."""
+    if engine is not None and engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
 
 
 def _cpu_name() -> str:
@@ -110,6 +169,8 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     """
 
     def cell(v: Any) -> str:
+        if v is None or (isinstance(v, float) and not math.isfinite(v)):
+            return "-"
         if isinstance(v, float):
             return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
         return str(v)
@@ -126,6 +187,18 @@ def write_results(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{suite}.json"
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    text = json.dumps(_finite(payload), indent=2, default=str, allow_nan=False)
+    path.write_text(text + "\n")
     (out / f"{suite}.md").write_text(table + "\n")
     return path
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities replaced by None (strict JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -6,6 +6,7 @@ import re
 import string
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -56,3 +57,36 @@ def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float
     p = torch.log_softmax(reference_logits.float(), dim=-1)
     q = torch.log_softmax(logits.float(), dim=-1)
     return max(0.0, float((p.exp() * (p - q)).sum()))
+
+
+@torch.no_grad()
+def answer_loglik(lm: Any, kv: Any, first_logits: torch.Tensor, answer_ids: torch.Tensor) -> float:
+    """Mean per-token log-probability of ``answer_ids`` teacher-forced after a prompt cache.
+
+    Args:
+        lm: the causal LM.
+        kv: the prompt cache a strategy built (``PromptKV``); left unchanged.
+        first_logits: the logits of the first generated token (the last prompt token's).
+        answer_ids: int64 ``[m]`` ids of the gold answer, tokenized alone.
+
+    Returns:
+        The mean over the answer's tokens of log p(token | prompt, previous answer tokens).
+    """
+    from kvrag_integrations.engine.generate import to_dynamic_cache
+
+    ids = answer_ids.to(lm.device)
+    if ids.numel() == 0:
+        raise ValueError("the answer has no tokens")
+    logps = [torch.log_softmax(first_logits.float(), dim=-1)[ids[0]].reshape(1)]
+    if ids.numel() > 1:
+        start = kv.next_position
+        positions = torch.arange(start, start + ids.numel() - 1, device=lm.device)
+        out = lm(
+            input_ids=ids[:-1].unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            past_key_values=to_dynamic_cache(kv),
+            use_cache=True,
+        )
+        rest = torch.log_softmax(out.logits[0].float(), dim=-1)
+        logps.append(rest.gather(1, ids[1:].unsqueeze(1)).squeeze(1))
+    return float(torch.cat(logps).mean())

@@ -2,17 +2,21 @@
 
 Per strategy: median TTFT and speedup over full; fidelity to full prefill (mean
 first-token KL, top-1 agreement, token F1 of the greedy answer against full's);
-quality against gold (answer F1).
+quality against gold (answer F1, and the gold answer's mean per-token
+log-likelihood teacher-forced after the prompt cache the strategy built).
 """
 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
+from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, markdown_table, trim_to_tokens
-from kvrag_integrations.bench.metrics import best_f1, kl_divergence, token_f1
+from kvrag_integrations.bench.metrics import answer_loglik, best_f1, kl_divergence, token_f1
 from kvrag_integrations.engine.engine import KVRAGEngine
+from kvrag_integrations.engine.segments import tokenize_text
 
 DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [
     ("full", {}),
@@ -37,6 +41,32 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
 ]
 
 PRESETS = {"default": DEFAULT_STRATEGIES, "ablation": ABLATION}
+# Smoke run: full, turbo, blend@0.15 (three points of the trade-off curve).
+QUICK = {"items": 1, "n_chunks": 3, "chunk_tokens": 32, "repeats": 1, "max_new_tokens": 4,
+         "strategies": DEFAULT_STRATEGIES[:2] + DEFAULT_STRATEGIES[3:4]}  # fmt: skip
+
+
+def recompute_ratio(name: str, options: dict[str, Any]) -> float | None:
+    """Where a strategy sits on the CacheBlend axis: turbo 0, full 1, blend its ratio.
+
+    None for variants with other options (they are not points on that curve).
+    """
+    if name == "turbo" and not options:
+        return 0.0
+    if name == "full":
+        return 1.0
+    if name == "blend" and set(options) == {"recompute_ratio"}:
+        return float(options["recompute_ratio"])
+    return None
+
+
+def gold_loglik(
+    engine: KVRAGEngine, question: str, chunks: list[str], answer: str, name: str, options: dict
+) -> float:
+    """Mean per-token log-prob of ``answer`` after the prompt cache ``name`` builds."""
+    pre = engine.prefill(question=question, chunks=chunks, strategy=name, **options)
+    ids = tokenize_text(engine.tokenizer, answer.strip())
+    return answer_loglik(engine.model, pre.output.kv, pre.logits, ids)
 
 
 def label(name: str, options: dict[str, Any]) -> str:
@@ -57,8 +87,13 @@ def run(
     repeats: int = 1,
     max_new_tokens: int = 24,
     strategies: list[tuple[str, dict[str, Any]]] | None = None,
+    loglik: bool = True,
 ) -> dict[str, Any]:
-    """Run every strategy on every item; ``chunk_tokens=0`` keeps passages whole."""
+    """Run every strategy on every item; ``chunk_tokens=0`` keeps passages whole.
+
+    ``loglik`` adds the gold answer's log-likelihood (one more, untimed, prefill
+    per strategy and item).
+    """
     strategies = strategies or DEFAULT_STRATEGIES
     per: dict[str, dict[str, list[float]]] = {label(n, o): {} for n, o in strategies}
     prompt_tokens = []
@@ -91,13 +126,18 @@ def run(
             row.setdefault("f1_vs_full", []).append(token_f1(result.text, reference.text))
             row.setdefault("f1_gold", []).append(best_f1(result.text, item.answers))
             row.setdefault("recomputed", []).append(result.recomputed_tokens)
+            gold = next((a for a in item.answers if a.strip()), None)
+            if loglik and gold is not None:
+                ll = gold_loglik(engine, item.question, chunks, gold, name, options)
+                row.setdefault("loglik", []).append(ll)
     base = statistics.median(per[label(*strategies[0])]["ttft_s"])
     rows = []
-    for name, values in per.items():
+    for (strategy, options), (name, values) in zip(strategies, per.items()):
         ttft = statistics.median(values["ttft_s"])
         rows.append(
             {
                 "strategy": name,
+                "recompute_ratio": recompute_ratio(strategy, options),
                 "ttft_ms": ttft * 1000,
                 "speedup": base / ttft,
                 "kl_vs_full": statistics.mean(values["kl"]),
@@ -105,6 +145,7 @@ def run(
                 "f1_vs_full": statistics.mean(values["f1_vs_full"]),
                 "f1_gold": statistics.mean(values["f1_gold"]),
                 "recomputed_tokens": statistics.mean(values["recomputed"]),
+                "gold_loglik": statistics.mean(values["loglik"]) if values.get("loglik") else None,
             }
         )
     return {
@@ -126,6 +167,7 @@ def table(payload: dict[str, Any]) -> str:
         "top-1 vs full",
         "F1 vs full",
         "F1 vs gold",
+        "gold log-lik",
     ]
     rows = [
         [
@@ -136,7 +178,16 @@ def table(payload: dict[str, Any]) -> str:
             round(r["top1_vs_full"], 2),
             round(r["f1_vs_full"], 2),
             round(r["f1_gold"], 2),
+            "-" if r.get("gold_loglik") is None else round(r["gold_loglik"], 3),
         ]
         for r in payload["results"]
     ]
     return markdown_table(headers, rows)
+
+
+def plot(payload: dict[str, Any], out_dir: Path, name: str = "quality") -> list[Path]:
+    """``<name>-tradeoff.png``: KL and top-1 agreement against the recompute ratio."""
+    points = [r for r in payload["results"] if plots.ratio_of(r) is not None]
+    if len(points) < 2:
+        return []
+    return [plots.quality_tradeoff(payload, out_dir / f"{name}-tradeoff.png")]

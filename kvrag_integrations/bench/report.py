@@ -1,8 +1,9 @@
 """Turn a folder of suite results into docs/benchmarks.md and the README table.
 
 ``python -m kvrag_integrations.bench report --results docs/bench`` reads the
-``<suite>.json`` files the suites wrote, renders each suite's table with the
-command and machine that produced it, writes ``docs/benchmarks.md`` and
+``<suite>.json`` files the suites wrote, redraws their PNG plots from them
+(next to the JSON), renders each suite's table and plots with the command and
+machine that produced it, writes ``docs/benchmarks.md`` and
 replaces the README block between ``<!-- bench:start -->`` and
 ``<!-- bench:end -->``.
 """
@@ -11,18 +12,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
 
-from kvrag_integrations.bench import quality, rerank, ttft
+from kvrag_integrations.bench import memory, peer, plots, quality, rerank, scaling, ttft
 
 SECTIONS = [
     ("ttft", ttft, "Time to first token by strategy"),
+    ("scaling", scaling, "TTFT vs number and length of chunks, with the query-only floor"),
     ("quality", quality, "Speed and fidelity on MuSiQue (whole passages)"),
     ("quality-ablation", quality, "CacheBlend refinements at recompute ratio 0.15"),
+    ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
+    ("memory", memory, "Stored cache size per dtype and store read throughput"),
 ]
+# The PNG files each suite writes next to its JSON (``<name><suffix>.png``).
+PLOTS = {
+    "ttft": [""],
+    "scaling": ["-chunks", "-length"],
+    "quality": ["-tradeoff"],
+    "peer": [""],
+}
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -45,18 +57,23 @@ def _machine(payload: dict[str, Any]) -> str:
     )
 
 
-def section(name: str, payload: dict[str, Any]) -> str:
-    """One suite's table with its provenance."""
+def images(name: str, results: Path, page: Path) -> list[str]:
+    """The suite's PNG files present in ``results``, as links relative to ``page``."""
+    found = [results / f"{name}{suffix}.png" for suffix in PLOTS.get(name, [])]
+    return [Path(os.path.relpath(p, page.parent)).as_posix() for p in found if p.is_file()]
+
+
+def section(name: str, payload: dict[str, Any], pictures: list[str] = ()) -> str:
+    """One suite's table, its plots and its provenance."""
     module, title = next((m, t) for n, m, t in SECTIONS if n == name)
-    lines = [
-        f"## {title}",
-        "",
-        module.table(payload),
-        "",
+    lines = [f"## {title}", "", module.table(payload), ""]
+    lines += [f"![{name}]({link})\n" for link in pictures]
+    lines += [
         f"Command: `{payload.get('command', '?')}`  ",
         f"Machine: {_machine(payload)}  ",
     ]
-    facts = {k: v for k, v in payload.items() if k not in {"results", "machine", "command"}}
+    skip = {"results", "machine", "command"}
+    facts = {k: v for k, v in payload.items() if k not in skip and not isinstance(v, (list, dict))}
     if facts:
         lines.append("Setup: " + ", ".join(f"{k}={_fmt(v)}" for k, v in facts.items()))
     return "\n".join(lines)
@@ -66,12 +83,15 @@ def _fmt(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def readme_block(found: dict[str, dict[str, Any]]) -> str:
-    """The README's benchmark summary: the TTFT table (and quality, when measured)."""
+def readme_block(
+    found: dict[str, dict[str, Any]], results: Path | None = None, readme: Path | None = None
+) -> str:
+    """The README's benchmark summary: TTFT, the peer comparison and quality, when measured."""
     parts = []
-    for name in ("ttft", "quality"):
+    for name in ("ttft", "peer", "quality"):
         if name in found:
-            parts.append(section(name, found[name]).replace("## ", "### ", 1))
+            pics = images(name, results, readme) if results and readme else []
+            parts.append(section(name, found[name], pics[:1]).replace("## ", "### ", 1))
     parts.append("More, and how each number is measured: [docs/benchmarks.md](docs/benchmarks.md).")
     return "\n\n".join(parts)
 
@@ -81,18 +101,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", default="docs/bench", help="folder of <suite>.json files")
     parser.add_argument("--docs", default="docs/benchmarks.md")
     parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--no-plots", action="store_true", help="do not redraw the PNG files")
     args = parser.parse_args(argv)
-    found = load(Path(args.results))
+    results = Path(args.results)
+    found = load(results)
     if not found:
         raise SystemExit(f"no suite results in {args.results}")
+    if not args.no_plots and plots.available():  # redraw from the JSON: always in step
+        for name, payload in found.items():
+            module = next(m for n, m, _ in SECTIONS if n == name)
+            if name in PLOTS and hasattr(module, "plot"):
+                module.plot(payload, results, name)
     docs = Path(args.docs)
     head = docs.read_text().split(START)[0] if docs.is_file() else "# Benchmarks\n\n"
-    body = "\n\n".join(section(n, p) for n, p in found.items())
+    body = "\n\n".join(section(n, p, images(n, results, docs)) for n, p in found.items())
     docs.write_text(f"{head.rstrip()}\n\n{START}\n{body}\n{END}\n")
     readme = Path(args.readme)
     text = readme.read_text()
     if START in text and END in text:
-        block = f"{START}\n{readme_block(found)}\n{END}"
+        block = f"{START}\n{readme_block(found, results, readme)}\n{END}"
         pattern = re.escape(START) + ".*?" + re.escape(END)
         readme.write_text(re.sub(pattern, lambda _: block, text, flags=re.S))
     print(f"wrote {docs} and the README table from {len(found)} suites")

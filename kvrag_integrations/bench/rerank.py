@@ -18,6 +18,8 @@ from kvrag_integrations.bench.common import RagItem, markdown_table, trim_to_tok
 from kvrag_integrations.rerank.reranker import KVReranker
 from kvrag_integrations.store import MemoryKVStore
 
+QUICK = {"n_chunks": 4, "chunk_tokens": 24, "repeats": 1, "batch_size": 4}
+
 
 def load_queries(
     tokenizer: Any, items: list[RagItem], n_candidates: int, n_tokens: int

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
+from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, markdown_table, timed, trim_to_tokens
 from kvrag_integrations.bench.quality import DEFAULT_STRATEGIES, label
 from kvrag_integrations.engine.engine import KVRAGEngine
+
+QUICK = {
+    "items": 1,
+    "n_chunks": 3,
+    "chunk_tokens": 32,
+    "repeats": 1,
+    "strategies": [DEFAULT_STRATEGIES[i] for i in (0, 1, 3)],
+}
 
 
 def run(
@@ -64,3 +74,8 @@ def table(payload: dict[str, Any]) -> str:
         [r["strategy"], round(r["ttft_ms"], 1), f"{r['speedup']:.1f}x"] for r in payload["results"]
     ]
     return markdown_table(["strategy", "TTFT (ms, median)", "speedup vs full"], rows)
+
+
+def plot(payload: dict[str, Any], out_dir: Path, name: str = "ttft") -> list[Path]:
+    """``<name>.png``: TTFT bars per strategy, labelled with the speedup."""
+    return [plots.ttft_bars(payload, out_dir / f"{name}.png")]
