@@ -130,7 +130,11 @@ def _kept_outputs_after_perturbing_later_keys(engine: KVRAGEngine) -> tuple[torc
             kv.values[1:, :, b0:b1] = torch.randn(shape, generator=gen)
         todo = with_last(uncached, kv.num_tokens)
         run_layers(
-            e.model, kv, todo, full_layers=1, selector=lambda _l, _q, _k, _v, idx: torch.isin(idx, kept)
+            e.model,
+            kv,
+            todo,
+            full_layers=1,
+            selector=lambda _l, _q, _k, _v, idx: torch.isin(idx, kept),
         )
         return kv
 

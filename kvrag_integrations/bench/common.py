@@ -133,7 +133,7 @@ def package_versions() -> dict[str, str | None]:
 def resolve_device(device: str | None) -> str:
     """``"auto"``/None: ``"cuda"`` when a GPU is visible, else ``"cpu"``.
 
-    Example:
+    Examples:
         >>> resolve_device("cpu")
         'cpu'
     """

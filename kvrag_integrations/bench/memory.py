@@ -13,7 +13,7 @@ stored bytes and chunks/s: the in-process LRU (no copy), the disk store (warm
 OS page cache) and Redis when a ``redis-server`` binary is found (started here
 on a free loopback port, stopped afterwards).
 
-Example:
+Examples:
     python -m kvrag_integrations.bench memory --chunks 16 --chunk-tokens 256
 """
 

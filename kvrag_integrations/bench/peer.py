@@ -15,7 +15,7 @@ shows how many prompt tokens it reused, and the F1 of each greedy answer
 against HuggingFaceLLM's (the same model and prompt should give the same
 answer under full prefill).
 
-Example:
+Examples:
     python -m kvrag_integrations.bench peer --items 5
 """
 

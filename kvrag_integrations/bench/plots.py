@@ -123,7 +123,7 @@ def scaling_lines(payload: dict[str, Any], path: Path, sweep: str) -> Path:
 def ratio_of(row: dict[str, Any]) -> float | None:
     """A quality row's recompute ratio (older results lack the field: read the label).
 
-    Example:
+    Examples:
         >>> ratio_of({"strategy": "blend@0.15"}), ratio_of({"strategy": "turbo"})
         (0.15, 0.0)
     """

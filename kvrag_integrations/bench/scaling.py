@@ -11,7 +11,7 @@ engine's own ``run_layers`` on the full-prefill cache of the same prompt. What
 turbo adds over it is tokenization, store reads, cache assembly (key
 re-rotation) and the short separators between chunks.
 
-Example:
+Examples:
     python -m kvrag_integrations.bench scaling --counts 1,2,4,8,16 --lengths 64,128,256,512
 """
 
