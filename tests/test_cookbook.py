@@ -14,6 +14,7 @@ committed outputs are made.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,10 @@ def _kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel inherits this process's environment: offline, quiet, sane threads."""
     path = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), path) if p))
+    # ipykernel's spec starts `python`: make it this interpreter.
+    monkeypatch.setenv(
+        "PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("ANONYMIZED_TELEMETRY", "False")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
