@@ -1,0 +1,91 @@
+"""What the engine hands back: chunk references, prompt caches, streams."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvrag_integrations.engine.generate import GenerationResult
+from kvrag_integrations.engine.kv import cache_key
+from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.strategies import PrefillOutput
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where a chunk's cache lives: its store key and token count."""
+
+    key: str
+    num_tokens: int
+
+
+@dataclass
+class PrefillResult:
+    """A built prompt cache with the request's accounting (see ``KVRAGEngine.prefill``)."""
+
+    output: PrefillOutput
+    prompt: TokenizedPrompt
+    strategy: str
+    lazy_keys: set[str]
+    fingerprint: str
+    prefill_s: float
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.output.logits
+
+    @property
+    def lazily_encoded_chunks(self) -> int:
+        """Chunks (not the cached leading text) encoded during this request."""
+        prefix = {cache_key(self.fingerprint, p.ids) for p in self.prompt.pieces if p.is_prefix}
+        return len(self.lazy_keys - prefix)
+
+    @property
+    def reused_prefix_tokens(self) -> int:
+        """Tokens of the cached leading text reused from the prefix store (part of reused)."""
+        head = self.prompt.pieces[0] if self.prompt.pieces else None
+        if head is None or not head.is_prefix:
+            return 0
+        return 0 if cache_key(self.fingerprint, head.ids) in self.lazy_keys else head.ids.numel()
+
+    def token_counts(self) -> tuple[int, int, int]:
+        """``(reused, recomputed, prefilled)``; lazily encoded chunks count as prefilled."""
+        lazy = torch.zeros(self.prompt.num_tokens, dtype=torch.bool)
+        start = 0
+        for piece in self.prompt.pieces:
+            n = piece.ids.numel()
+            if piece.is_chunk and cache_key(self.fingerprint, piece.ids) in self.lazy_keys:
+                lazy[start : start + n] = True
+            start += n
+        return self.output.token_counts(lazy)
+
+
+class GenerationStream:
+    """An iterator of text pieces; ``result`` holds the stats once it is exhausted.
+
+    Decoding holds the engine's lock between pieces: a consumer that stops early
+    should ``close()`` the stream (or use it as a context manager), which frees
+    the engine at once instead of whenever the stream is garbage-collected.
+    """
+
+    def __init__(self, pieces: Generator[str, None, None], result: GenerationResult) -> None:
+        self._pieces = pieces
+        self.result = result
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop decoding and release the engine (must run on the consuming thread)."""
+        self._pieces.close()
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
