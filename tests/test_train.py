@@ -111,3 +111,16 @@ def test_resume_continues_at_the_saved_step(tmp_path: Path) -> None:
     expected, got = trainable_state(straight.model), trainable_state(resumed.model)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_cli_mounts_as_a_subcommand() -> None:
+    import argparse
+
+    from kvrag_integrations.train.cli import config_from_args, register, run
+
+    parser = argparse.ArgumentParser(prog="kvrag")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", "--out", "x", "--max-steps", "7", "--full", "--lr", "1e-5"])
+    config = config_from_args(args)
+    assert args.func is run
+    assert (config.out, config.max_steps, config.full, config.lr) == ("x", 7, True, 1e-5)

@@ -266,6 +266,8 @@ class Trainer:
                 bar.update(1)
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.checkpoint()
+        if cfg.save_every and self.step % cfg.save_every:
+            self.checkpoint()  # so a later --resume with more steps starts here
         self.save(self.out)
         return TrainResult(self.out, self.step, self.losses, time.perf_counter() - started)
 
