@@ -22,15 +22,14 @@ from types import ModuleType
 
 from kvrag_integrations.cli import ask, bench, ingest, store
 from kvrag_integrations.errors import KVRAGError
-
-# from kvrag_integrations.train import cli as train  # `kvrag train`: added with the trainer
+from kvrag_integrations.train import cli as train
 
 SUBCOMMANDS: list[ModuleType] = [
     ingest,
     ask,
     bench,
     store,
-    # train,
+    train,
 ]
 
 PROG = "kvrag"

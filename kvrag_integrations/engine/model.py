@@ -144,7 +144,8 @@ def load_model(
     check_supported(lm)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    fp = model_fingerprint(lm, tokenizer, torch_dtype)
+    extra = adapter_identity(adapter) if adapter is not None else ""
+    fp = model_fingerprint(lm, tokenizer, torch_dtype, extra=extra)
     return LoadedModel(lm, tokenizer, name, fp, dev, torch_dtype)
 
 
@@ -208,6 +209,19 @@ def _merge_adapter(lm: Any, adapter: str | os.PathLike) -> Any:
     return PeftModel.from_pretrained(lm, str(adapter)).merge_and_unload()
 
 
+def adapter_identity(adapter: str | os.PathLike) -> str:
+    """A hash of an adapter folder's config and weight files (by content, not path)."""
+    folder = Path(adapter)
+    digest = hashlib.sha256(b"kvrag-adapter")
+    for path in sorted(folder.glob("adapter_*")):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\x00")
+            with path.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
 def decoder_parts(lm: Any) -> Any:
     """The inner decoder (``lm.model``) holding embed_tokens, layers, norm, rotary_emb."""
     return getattr(lm, "model", None)
@@ -256,12 +270,15 @@ def rope_type(config: Any) -> str:
     return str(params.get("rope_type", params.get("type", "default")))
 
 
-def model_fingerprint(lm: Any, tokenizer: Any, dtype: torch.dtype) -> str:
+def model_fingerprint(lm: Any, tokenizer: Any, dtype: torch.dtype, extra: str = "") -> str:
     """A short hash of what makes a KV cache valid: architecture, weights, tokenizer, dtype.
 
     Weights are identified by content, not by path: every parameter's name, shape
     and dtype, plus a strided sample of its values (cheap even for 70B models,
-    yet any fine-tune or adapter merge changes it).
+    yet any fine-tune or adapter merge changes it). ``extra`` adds what else
+    identifies the weights, e.g. a merged adapter's ``adapter_identity``, so an
+    adapter's caches never share keys with the base model's even if the sample
+    misses its changes.
     """
     digest = hashlib.sha256()
     config = lm.config.to_dict()
@@ -278,6 +295,8 @@ def model_fingerprint(lm: Any, tokenizer: Any, dtype: torch.dtype) -> str:
     digest.update(_tokenizer_identity(tokenizer).encode())
     digest.update(str(dtype).encode())
     digest.update(CACHE_FORMAT_VERSION.encode())
+    if extra:
+        digest.update(f"|extra:{extra}".encode())
     return digest.hexdigest()[:32]
 
 
