@@ -73,6 +73,26 @@ def test_recompute_first_forces_each_chunk_start(engine: KVRAGEngine) -> None:
     assert recomputed == 2 * len(CHUNKS)
 
 
+def test_keep_chunk_starts_never_recomputes_them(engine: KVRAGEngine) -> None:
+    """Each chunk's first token (its attention sink) stays as cached, even at ratio 1."""
+    pre = engine.prefill(
+        question=QUESTION, chunks=CHUNKS, strategy="blend", recompute_ratio=1.0, keep_chunk_starts=1
+    )
+    reused, _, _ = pre.token_counts()
+    assert reused - pre.reused_prefix_tokens == len(CHUNKS)
+
+
+def test_attention_weighting_keeps_the_references(engine: KVRAGEngine) -> None:
+    """Weighting only reorders candidates: ratio 1 is still full, ratio 0 still turbo."""
+    full, turbo = logits(engine, "full"), logits(engine, "turbo")
+    one = logits(engine, "blend", recompute_ratio=1.0, weighting="attention")
+    zero = logits(engine, "blend", recompute_ratio=0.0, weighting="attention")
+    torch.testing.assert_close(one, full, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(zero, turbo, atol=1e-3, rtol=1e-4)
+    mid = logits(engine, "blend", recompute_ratio=0.3, weighting="attention")
+    assert torch.isfinite(mid).all()
+
+
 @pytest.mark.parametrize("deviation", ["key", "both"])
 def test_deviation_variants_run(engine: KVRAGEngine, deviation: str) -> None:
     out = logits(engine, "blend", recompute_ratio=0.15, deviation=deviation)
@@ -88,6 +108,8 @@ def test_deviation_variants_run(engine: KVRAGEngine, deviation: str) -> None:
         ({"recompute_ratio": "0.1"}, TypeError),
         ({"check_layer": -1}, ValueError),
         ({"deviation": "cosine"}, ValueError),
+        ({"weighting": "entropy"}, ValueError),
+        ({"keep_chunk_starts": -1}, ValueError),
     ],
 )
 def test_bad_options_are_typed_errors(options, error) -> None:

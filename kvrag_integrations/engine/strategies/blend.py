@@ -65,6 +65,7 @@ class CacheBlend(Strategy):
         recompute_first: int = 0,
         positions: str = "reordered",
         weighting: str = "none",
+        keep_chunk_starts: int = 0,
     ) -> None:
         if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)):
             raise TypeError("recompute_ratio must be a number in [0, 1]")
@@ -78,6 +79,9 @@ class CacheBlend(Strategy):
             raise ValueError("recompute_first must be an int >= 0")
         if positions not in POSITION_MODES:
             raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+        if not isinstance(keep_chunk_starts, int) or keep_chunk_starts < 0:
+            raise ValueError("keep_chunk_starts must be an int >= 0")
+        self.keep_chunk_starts = keep_chunk_starts
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         self.weighting = weighting
@@ -99,7 +103,11 @@ class CacheBlend(Strategy):
         candidates = chunk_mask.clone()
         if prompt.pieces and prompt.pieces[0].is_prefix:
             candidates[: prompt.pieces[0].ids.numel()] = False
-        forced = self._chunk_starts(prompt, kv) if self.recompute_first else None
+        if self.keep_chunk_starts:
+            candidates &= ~self._chunk_starts(prompt, kv, self.keep_chunk_starts)
+        forced = (
+            self._chunk_starts(prompt, kv, self.recompute_first) if self.recompute_first else None
+        )
 
         def select(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx):
             scale = lm.model.layers[layer].self_attn.scaling
@@ -141,12 +149,12 @@ class CacheBlend(Strategy):
         keep[torch.topk(score, n_keep).indices] = True
         return keep
 
-    def _chunk_starts(self, prompt: TokenizedPrompt, kv: PromptKV) -> torch.Tensor:
+    def _chunk_starts(self, prompt: TokenizedPrompt, kv: PromptKV, n: int) -> torch.Tensor:
         forced = torch.zeros(kv.num_tokens, dtype=torch.bool, device=kv.keys.device)
         start = 0
         for piece in prompt.pieces:
             if piece.is_chunk and not piece.is_prefix:
-                forced[start : start + min(self.recompute_first, piece.ids.numel())] = True
+                forced[start : start + min(n, piece.ids.numel())] = True
             start += piece.ids.numel()
         return forced
 
