@@ -28,8 +28,8 @@ DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [
 
 
 # The CacheBlend refinements side by side at the default ratio (issue #3's
-# question: which of K vs V deviation, EPIC-style chunk-start recompute and a
-# later check layer helps).
+# question: which of K vs V deviation, EPIC-style chunk-start recompute, keeping
+# the chunk-start sinks, attention-weighted selection and a later check layer helps).
 ABLATION: list[tuple[str, dict[str, Any]]] = [
     ("full", {}),
     ("turbo", {}),
@@ -38,6 +38,8 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
     ("blend", {"recompute_ratio": 0.15, "deviation": "both"}),
     ("blend", {"recompute_ratio": 0.15, "recompute_first": 4}),
     ("blend", {"recompute_ratio": 0.15, "check_layer": 2}),
+    ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 1}),
+    ("blend", {"recompute_ratio": 0.15, "weighting": "attention"}),
 ]
 
 PRESETS = {"default": DEFAULT_STRATEGIES, "ablation": ABLATION}
