@@ -42,7 +42,22 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
     ("blend", {"recompute_ratio": 0.15, "weighting": "attention"}),
 ]
 
-PRESETS = {"default": DEFAULT_STRATEGIES, "ablation": ABLATION}
+# Each chunk's first token (its attention sink when encoded alone) left cached or
+# not, and the other selection rules, on short chunks where partial recompute can
+# do worse than turbo (docs/benchmarks.md, "CacheBlend on this model").
+SINKS: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("blend", {"recompute_ratio": 0.15}),
+    ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 1}),
+    ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 4}),
+    ("blend", {"recompute_ratio": 0.05, "keep_chunk_starts": 1}),
+    ("blend", {"recompute_ratio": 0.3, "keep_chunk_starts": 1}),
+    ("blend", {"recompute_ratio": 0.15, "weighting": "attention"}),
+    ("blend", {"recompute_ratio": 0.15, "deviation": "key"}),
+]
+
+PRESETS = {"default": DEFAULT_STRATEGIES, "ablation": ABLATION, "sinks": SINKS}
 # Smoke run: full, turbo, blend@0.15 (three points of the trade-off curve).
 QUICK = {"items": 1, "n_chunks": 3, "chunk_tokens": 32, "repeats": 1, "max_new_tokens": 4,
          "strategies": DEFAULT_STRATEGIES[:2] + DEFAULT_STRATEGIES[3:4]}  # fmt: skip

@@ -24,6 +24,7 @@ SECTIONS = [
     ("scaling", scaling, "TTFT vs number and length of chunks, with the query-only floor"),
     ("quality", quality, "Speed and fidelity on MuSiQue (whole passages)"),
     ("quality-ablation", quality, "CacheBlend refinements at recompute ratio 0.15"),
+    ("quality-sinks", quality, "CacheBlend on short chunks: chunk-start sinks kept or recomputed"),
     ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
     ("memory", memory, "Stored cache size per dtype and store read throughput"),

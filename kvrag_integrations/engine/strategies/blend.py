@@ -150,13 +150,14 @@ class CacheBlend(Strategy):
         return keep
 
     def _chunk_starts(self, prompt: TokenizedPrompt, kv: PromptKV, n: int) -> torch.Tensor:
-        forced = torch.zeros(kv.num_tokens, dtype=torch.bool, device=kv.keys.device)
-        start = 0
+        """Mask of the first ``n`` tokens of every chunk (not the cached leading text)."""
+        starts = torch.zeros(kv.num_tokens, dtype=torch.bool, device=kv.keys.device)
+        offset = 0
         for piece in prompt.pieces:
             if piece.is_chunk and not piece.is_prefix:
-                forced[start : start + min(n, piece.ids.numel())] = True
-            start += piece.ids.numel()
-        return forced
+                starts[offset : offset + min(n, piece.ids.numel())] = True
+            offset += piece.ids.numel()
+        return starts
 
 
 def _sq_dist(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
