@@ -93,6 +93,25 @@ def test_attention_weighting_keeps_the_references(engine: KVRAGEngine) -> None:
     assert torch.isfinite(mid).all()
 
 
+def test_refresh_check_layer_makes_that_layer_exact(engine: KVRAGEngine) -> None:
+    """With refresh, every token's check-layer K/V are full prefill's; later layers
+    of the tokens not selected stay as turbo stored them."""
+    kw = dict(question=QUESTION, chunks=CHUNKS)
+    full = engine.prefill(strategy="full", **kw).output.kv
+    turbo = engine.prefill(strategy="turbo", **kw).output.kv
+    plain = engine.prefill(strategy="blend", recompute_ratio=0.0, **kw).output.kv
+    fresh = engine.prefill(strategy="blend", recompute_ratio=0.0, refresh_check_layer=True, **kw)
+    kv = fresh.output.kv
+    for layer in (0, 1):
+        torch.testing.assert_close(kv.keys[layer], full.keys[layer], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(kv.values[layer], full.values[layer], atol=2e-4, rtol=1e-4)
+    assert (plain.values[1] - full.values[1]).abs().max() > 1e-2  # without it, layer 1 is stale
+    chunk = fresh.output.reused_mask
+    torch.testing.assert_close(kv.values[2:, :, chunk], turbo.values[2:, :, chunk])
+    ratio_one = logits(engine, "blend", recompute_ratio=1.0, refresh_check_layer=True)
+    torch.testing.assert_close(ratio_one, logits(engine, "full"), atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("deviation", ["key", "both"])
 def test_deviation_variants_run(engine: KVRAGEngine, deviation: str) -> None:
     out = logits(engine, "blend", recompute_ratio=0.15, deviation=deviation)
@@ -110,6 +129,7 @@ def test_deviation_variants_run(engine: KVRAGEngine, deviation: str) -> None:
         ({"deviation": "cosine"}, ValueError),
         ({"weighting": "entropy"}, ValueError),
         ({"keep_chunk_starts": -1}, ValueError),
+        ({"refresh_check_layer": 1}, TypeError),
     ],
 )
 def test_bad_options_are_typed_errors(options, error) -> None:

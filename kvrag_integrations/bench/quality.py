@@ -57,7 +57,25 @@ SINKS: list[tuple[str, dict[str, Any]]] = [
     ("blend", {"recompute_ratio": 0.15, "deviation": "key"}),
 ]
 
-PRESETS = {"default": DEFAULT_STRATEGIES, "ablation": ABLATION, "sinks": SINKS}
+# Keeping the check layer's fresh K/V for every token (free: computed anyway),
+# alone and with the chunk-start sinks kept, on whole passages.
+REFRESH: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("blend", {"recompute_ratio": 0.15}),
+    ("blend", {"recompute_ratio": 0.15, "refresh_check_layer": True}),
+    ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 1}),
+    ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 1, "refresh_check_layer": True}),
+    ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 1, "refresh_check_layer": True,
+               "deviation": "key"}),
+]  # fmt: skip
+
+PRESETS = {
+    "default": DEFAULT_STRATEGIES,
+    "ablation": ABLATION,
+    "sinks": SINKS,
+    "refresh": REFRESH,
+}
 # Smoke run: full, turbo, blend@0.15 (three points of the trade-off curve).
 QUICK = {"items": 1, "n_chunks": 3, "chunk_tokens": 32, "repeats": 1, "max_new_tokens": 4,
          "strategies": DEFAULT_STRATEGIES[:2] + DEFAULT_STRATEGIES[3:4]}  # fmt: skip

@@ -25,6 +25,7 @@ SECTIONS = [
     ("quality", quality, "Speed and fidelity on MuSiQue (whole passages)"),
     ("quality-ablation", quality, "CacheBlend refinements at recompute ratio 0.15"),
     ("quality-sinks", quality, "CacheBlend on short chunks: chunk-start sinks kept or recomputed"),
+    ("quality-refresh", quality, "CacheBlend on whole passages: check-layer refresh and sinks"),
     ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
     ("memory", memory, "Stored cache size per dtype and store read throughput"),

@@ -131,6 +131,7 @@ def run_layers(
     *,
     full_layers: int = 0,
     selector: Selector | None = None,
+    write_all_selected_layer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compute the tokens ``compute_idx`` through every layer, over the cache ``kv``.
 
@@ -143,6 +144,8 @@ def run_layers(
         selector: called at layer ``full_layers`` with the fresh Q/K/V of every token;
             returns which of them to keep computing (tokens in ``compute_idx`` must
             be kept). Only kept tokens' K/V are written from that layer on.
+        write_all_selected_layer: also write the fresh K/V of the tokens the selector
+            drops at its own layer (they are computed anyway, and exact there).
 
     Returns:
         ``(logits, computed)``: float32 logits ``[vocab]`` of the last prompt token and
@@ -170,6 +173,9 @@ def run_layers(
             q = attn.q_norm(q)
         q = _apply_rope(q, cos, sin)
         if selector is not None and layer_no == full_layers:
+            if write_all_selected_layer:
+                kv.keys[layer_no][:, idx] = k[0]
+                kv.values[layer_no][:, idx] = v[0]
             keep = selector(layer_no, q[0], k[0], v[0], idx)
             keep |= torch.isin(idx, compute_idx.to(device))
             idx, hidden = idx[keep], hidden[:, keep]

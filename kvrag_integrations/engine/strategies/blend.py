@@ -48,6 +48,12 @@ class CacheBlend(Strategy):
             ``"attention"`` weighs each token's per-head deviation by the attention
             the question (the text after the last chunk) pays it at the check
             layer: a deviation nobody attends to does not change the answer.
+        keep_chunk_starts: never recompute the first N tokens of every chunk (each
+            chunk's attention sink when it was encoded alone; see
+            docs/benchmarks.md, "CacheBlend on this model").
+        refresh_check_layer: also keep the check layer's fresh K/V of the tokens
+            that are not selected (computed anyway and exact at that layer); then
+            ``recompute_ratio=0`` is no longer turbo.
         positions: ``"reordered"`` or ``"composite"``, as for turbo.
 
     Examples:
@@ -66,6 +72,7 @@ class CacheBlend(Strategy):
         positions: str = "reordered",
         weighting: str = "none",
         keep_chunk_starts: int = 0,
+        refresh_check_layer: bool = False,
     ) -> None:
         if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)):
             raise TypeError("recompute_ratio must be a number in [0, 1]")
@@ -82,6 +89,9 @@ class CacheBlend(Strategy):
         if not isinstance(keep_chunk_starts, int) or keep_chunk_starts < 0:
             raise ValueError("keep_chunk_starts must be an int >= 0")
         self.keep_chunk_starts = keep_chunk_starts
+        if not isinstance(refresh_check_layer, bool):
+            raise TypeError("refresh_check_layer must be a bool")
+        self.refresh_check_layer = refresh_check_layer
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         self.weighting = weighting
@@ -114,7 +124,14 @@ class CacheBlend(Strategy):
             return self.pick(kv, layer, q, k, v, idx, candidates, forced, scale)
 
         todo = with_last(uncached, kv.num_tokens)
-        logits, computed = run_layers(lm, kv, todo, full_layers=self.check_layer, selector=select)
+        logits, computed = run_layers(
+            lm,
+            kv,
+            todo,
+            full_layers=self.check_layer,
+            selector=select,
+            write_all_selected_layer=self.refresh_check_layer,
+        )
         return PrefillOutput(kv, logits, *token_masks(kv.num_tokens, uncached, computed))
 
     def pick(
