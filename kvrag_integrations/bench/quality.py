@@ -51,6 +51,8 @@ SINKS: list[tuple[str, dict[str, Any]]] = [
     ("blend", {"recompute_ratio": 0.15}),
     ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 1}),
     ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 4}),
+    ("blend", {"recompute_ratio": 0.15, "refresh_check_layer": True}),
+    ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 1, "refresh_check_layer": True}),
     ("blend", {"recompute_ratio": 0.05, "keep_chunk_starts": 1}),
     ("blend", {"recompute_ratio": 0.3, "keep_chunk_starts": 1}),
     ("blend", {"recompute_ratio": 0.15, "weighting": "attention"}),
@@ -181,6 +183,9 @@ def run(
                 "f1_gold": statistics.mean(values["f1_gold"]),
                 "recomputed_tokens": statistics.mean(values["recomputed"]),
                 "gold_loglik": statistics.mean(values["loglik"]) if values.get("loglik") else None,
+                # Per question, in item order: strategies compare pairwise on the same items.
+                "kl_per_item": [round(x, 5) for x in values["kl"]],
+                "f1_vs_full_per_item": [round(x, 3) for x in values["f1_vs_full"]],
             }
         )
     return {
