@@ -19,9 +19,9 @@ import torch
 pytest.importorskip("matplotlib", reason="pip install -e '.[test]'")
 pytest.importorskip("llama_index.llms.huggingface", reason="pip install -e '.[test]'")
 
-from kvrag_integrations.bench import report
+from kvrag_integrations.bench import quality, report
 from kvrag_integrations.bench.__main__ import SUITES, main
-from kvrag_integrations.bench.metrics import answer_loglik
+from kvrag_integrations.bench.metrics import answer_loglik, paired_bootstrap
 from kvrag_integrations.engine.segments import tokenize_text
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -154,3 +154,25 @@ def test_gold_loglik_matches_a_plain_forward(engine) -> None:
     expected = logp.gather(1, answer.unsqueeze(1)).mean().item()
     assert got == pytest.approx(expected, abs=1e-4)
     assert pre.output.kv.num_tokens == n  # the prompt cache was left as it was
+
+
+def test_paired_table_compares_each_blend_row_with_turbo_on_the_same_questions() -> None:
+    def row(name: str, kl: list[float], f1: list[float]) -> dict:
+        return {"strategy": name, "kl_per_item": kl, "f1_vs_full_per_item": f1}
+
+    payload = {
+        "results": [
+            row("full", [0.0] * 4, [1.0] * 4),
+            row("turbo", [0.4, 0.2, 0.6, 0.2], [0.5, 1.0, 0.0, 1.0]),
+            row("blend@0.15", [0.2, 0.1, 0.3, 0.3], [1.0, 1.0, 0.5, 0.5]),
+        ]
+    }
+    lines = quality.paired_table(payload).splitlines()
+    assert len(lines) == 3 and lines[2].startswith("| blend@0.15 | 0.64 (")
+    assert "| 3/4 | 0.75 (" in lines[2] and "| +0.12 (" in lines[2]
+    # Older payloads without per-question lists render the plain table only.
+    assert quality.paired_table({"results": [{"strategy": "turbo"}]}) == ""
+    with pytest.raises(ValueError, match="same non-empty"):
+        paired_bootstrap([0.1], [0.1, 0.2])
+    estimate, low, high = paired_bootstrap([0.2, 0.1, 0.3, 0.3], [0.4, 0.2, 0.6, 0.2])
+    assert low <= estimate <= high and low < high

@@ -14,7 +14,13 @@ from typing import Any
 
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, markdown_table, trim_to_tokens
-from kvrag_integrations.bench.metrics import answer_loglik, best_f1, kl_divergence, token_f1
+from kvrag_integrations.bench.metrics import (
+    answer_loglik,
+    best_f1,
+    kl_divergence,
+    paired_bootstrap,
+    token_f1,
+)
 from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.engine.segments import tokenize_text
 
@@ -222,7 +228,47 @@ def table(payload: dict[str, Any]) -> str:
         ]
         for r in payload["results"]
     ]
-    return markdown_table(headers, rows)
+    text = markdown_table(headers, rows)
+    paired = paired_table(payload)
+    return text + "\n\n" + paired if paired else text
+
+
+def paired_table(payload: dict[str, Any]) -> str:
+    """Every partial-reuse row against turbo on the same questions, with 90% intervals.
+
+    Empty when the payload has no per-question lists (older runs) or no turbo row.
+    Means over a few dozen questions are noisy; resampling the questions (pairs
+    kept together) shows which differences the sample supports.
+    """
+    base = next((r for r in payload["results"] if r["strategy"] == "turbo"), None)
+    if base is None or len(base.get("kl_per_item", [])) < 2:
+        return ""
+    rows = []
+    for r in payload["results"]:
+        if r["strategy"] in ("full", "turbo") or "kl_per_item" not in r:
+            continue
+        kl, f1 = r["kl_per_item"], r["f1_vs_full_per_item"]
+        ratio, lo, hi = paired_bootstrap(kl, base["kl_per_item"])
+        gain, glo, ghi = paired_bootstrap(f1, base["f1_vs_full_per_item"], ratio=False)
+        mean, mlo, mhi = paired_bootstrap(f1, [0.0] * len(f1), ratio=False)
+        lower = sum(a < b for a, b in zip(kl, base["kl_per_item"]))
+        rows.append(
+            [
+                r["strategy"],
+                f"{ratio:.2f} ({lo:.2f}-{hi:.2f})",
+                f"{lower}/{len(kl)}",
+                f"{mean:.2f} ({mlo:.2f}-{mhi:.2f})",
+                f"{gain:+.2f} ({glo:+.2f} to {ghi:+.2f})",
+            ]
+        )
+    headers = [
+        "against turbo, same questions",
+        "KL / turbo's KL (90% CI)",
+        "questions with lower KL",
+        "F1 vs full (90% CI)",
+        "F1 vs full minus turbo's (90% CI)",
+    ]
+    return markdown_table(headers, rows) if rows else ""
 
 
 def plot(payload: dict[str, Any], out_dir: Path, name: str = "quality") -> list[Path]:
