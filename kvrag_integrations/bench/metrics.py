@@ -95,7 +95,7 @@ def answer_loglik(lm: Any, kv: Any, first_logits: torch.Tensor, answer_ids: torc
 
 def paired_bootstrap(
     values: list[float],
-    baseline: list[float],
+    baseline: list[float] | None = None,
     *,
     ratio: bool = True,
     resamples: int = 2000,
@@ -110,9 +110,11 @@ def paired_bootstrap(
 
     Args:
         values: one number per question for the strategy under test.
-        baseline: the same questions' numbers for the baseline, in the same order.
+        baseline: the same questions' numbers for the baseline, in the same order;
+            None for the interval of ``mean(values)`` alone.
         ratio: True for ``mean(values) / mean(baseline)`` (e.g. KL relative to
-            turbo's), False for ``mean(values) - mean(baseline)``.
+            turbo's), False for ``mean(values) - mean(baseline)``. Ignored
+            without a baseline.
         resamples: bootstrap resamples.
         level: the central interval's coverage.
         seed: the resampling seed (the interval is reproducible).
@@ -125,12 +127,16 @@ def paired_bootstrap(
         0.5
         >>> paired_bootstrap([1.0, 2.0], [0.0, 1.0], ratio=False)
         (1.0, 1.0, 1.0)
+        >>> paired_bootstrap([0.5, 0.5])
+        (0.5, 0.5, 0.5)
     """
-    if len(values) != len(baseline) or not values:
+    if not values or (baseline is not None and len(values) != len(baseline)):
         raise ValueError("need the same non-empty list of questions on both sides")
 
     def stat(idx: list[int]) -> float:
         a = sum(values[i] for i in idx) / len(idx)
+        if baseline is None:
+            return a
         b = sum(baseline[i] for i in idx) / len(idx)
         if not ratio:
             return a - b

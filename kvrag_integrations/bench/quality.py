@@ -250,7 +250,7 @@ def paired_table(payload: dict[str, Any]) -> str:
         kl, f1 = r["kl_per_item"], r["f1_vs_full_per_item"]
         ratio, lo, hi = paired_bootstrap(kl, base["kl_per_item"])
         gain, glo, ghi = paired_bootstrap(f1, base["f1_vs_full_per_item"], ratio=False)
-        mean, mlo, mhi = paired_bootstrap(f1, [0.0] * len(f1), ratio=False)
+        mean, mlo, mhi = paired_bootstrap(f1)
         lower = sum(a < b for a, b in zip(kl, base["kl_per_item"]))
         rows.append(
             [
