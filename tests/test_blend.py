@@ -154,7 +154,7 @@ def _kept_outputs_after_perturbing_later_keys(engine: KVRAGEngine) -> tuple[torc
     e = KVRAGEngine(engine.loaded, store=MemoryKVStore())
     pre = e.prefill(question=QUESTION, chunks=CHUNKS, strategy="turbo")
     prompt = pre.prompt
-    kvs, _ = e._chunk_caches(prompt)
+    kvs, _ = e.caches.for_prompt(prompt)
     starts, spans = 0, []
     for piece in prompt.pieces:
         if piece.is_chunk:

@@ -10,15 +10,13 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from kvrag_integrations.engine.chunks import encode_chunk_batch
+from kvrag_integrations.engine.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.generate import (
     GenerationResult,
     SamplingParams,
     decode,
 )
-from kvrag_integrations.engine.kv import ChunkKV, cache_key
 from kvrag_integrations.engine.model import LoadedModel, load_model
 from kvrag_integrations.engine.results import ChunkRef, GenerationStream, PrefillResult
 from kvrag_integrations.engine.segments import (
@@ -32,12 +30,10 @@ from kvrag_integrations.engine.segments import (
     rag_user_segments,
     render_chat,
     tokenize_segments,
-    tokenize_text,
-    validate_chunk_text,
 )
 from kvrag_integrations.engine.spans import ChunkIndex
 from kvrag_integrations.engine.strategies import Strategy, make_strategy
-from kvrag_integrations.errors import ContextWindowExceededError, StoreWriteError
+from kvrag_integrations.errors import ContextWindowExceededError
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
@@ -65,15 +61,12 @@ class KVRAGEngine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
-        self.store: KVStore = store if store is not None else MemoryKVStore()
-        # Caches of prompts' leading text (system prompt, template header,
-        # instruction): exact prefix caching, kept in process.
-        self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
-        # Texts of chunks encoded by this engine, to find them in flat prompts.
-        self.chunk_index = ChunkIndex()
         # One forward at a time: torch modules are not re-entrant across threads
         # on shared buffers, and interleaving would only slow each request down.
         self._lock = threading.RLock()
+        self.caches = ChunkCaches(
+            loaded, store if store is not None else MemoryKVStore(), self._lock
+        )
 
     @classmethod
     def from_pretrained(
@@ -147,10 +140,28 @@ class KVRAGEngine:
         return sorted(ids)
 
     # -------------------------------------------------------------- chunks
+    @property
+    def store(self) -> KVStore:
+        """Where chunk caches live (``caches.store``); assignable."""
+        return self.caches.store
+
+    @store.setter
+    def store(self, store: KVStore) -> None:
+        self.caches.store = store
+
+    @property
+    def prefix_store(self) -> KVStore:
+        """In-process caches of prompts' leading text (``caches.prefix_store``)."""
+        return self.caches.prefix_store
+
+    @property
+    def chunk_index(self) -> ChunkIndex:
+        """Texts of chunks encoded by this engine, to find them in flat prompts."""
+        return self.caches.index
+
     def chunk_key(self, text: str) -> str:
         """The store key the chunk ``text`` has under this model."""
-        validate_chunk_text(text)
-        return cache_key(self.fingerprint, tokenize_text(self.tokenizer, text))
+        return self.caches.key(text)
 
     def encode_chunks(
         self,
@@ -171,86 +182,13 @@ class KVRAGEngine:
         Returns:
             One ``ChunkRef`` per input chunk, in order.
         """
-        if isinstance(chunks, str):
-            raise TypeError("chunks must be a list of strings, not one string")
-        ids = [tokenize_text(self.tokenizer, validate_chunk_text(c)) for c in chunks]
-        self._check_fits(max((len(i) for i in ids), default=0), "a chunk")
-        for text in chunks:
-            self.chunk_index.add(text)
-        keys = [cache_key(self.fingerprint, i) for i in ids]
-        todo = {}
-        for key, tok in zip(keys, ids):
-            if key not in todo and (overwrite or not self.store.contains(key)):
-                todo[key] = tok
-        self._encode_and_store(list(todo.values()), batch_size, show_progress)
-        return [ChunkRef(k, len(i)) for k, i in zip(keys, ids)]
-
-    def _encode_and_store(
-        self,
-        ids: list[torch.Tensor],
-        batch_size: int,
-        show_progress: bool,
-        store: KVStore | None = None,
-        lazy: bool = False,
-    ) -> dict[str, ChunkKV]:
-        """Encode ``ids`` alone (batched, longest first) and write them to ``store``.
-
-        Ingestion raises ``StoreWriteError`` when a write fails. A lazy fill
-        (``lazy``: chunks missing at query time) only logs it and returns the
-        caches: the answer matters more than storing them.
-        """
-        store = store if store is not None else self.store
-        done: dict[str, ChunkKV] = {}
-        writable = True
-        order = sorted(ids, key=len, reverse=True)
-        bar = tqdm(
-            total=len(order), desc="Encoding chunk caches", unit="chunk", disable=not show_progress
+        return self.caches.encode(
+            chunks,
+            batch_size=batch_size,
+            show_progress=show_progress,
+            overwrite=overwrite,
+            max_tokens=self.context_window,
         )
-        pad_id = int(self.tokenizer.pad_token_id)
-        with bar:
-            for start in range(0, len(order), max(1, batch_size)):
-                batch = order[start : start + max(1, batch_size)]
-                with self._lock:
-                    kvs = encode_chunk_batch(self.model, batch, self.fingerprint, pad_id)
-                for kv in kvs:
-                    done[kv.key] = kv
-                    try:
-                        if writable:  # after one failure, don't wait on every other put
-                            store.put(kv)
-                    except StoreWriteError as exc:
-                        if not lazy:
-                            raise
-                        writable = False
-                        logger.warning("chunk caches not stored (%s); answering uncached", exc)
-                bar.update(len(batch))
-        return done
-
-    def _chunk_caches(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
-        """Stored caches of the prompt's chunks; missing ones are encoded and stored.
-
-        The cached leading text (``piece.is_prefix``) lives in ``prefix_store``:
-        a few entries per template and system prompt, not worth a shared store.
-        Returns the caches in chunk order and the keys that were encoded here.
-        """
-        found: dict[str, ChunkKV] = {}
-        missing: dict[str, tuple[torch.Tensor, KVStore]] = {}
-        keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
-        for key, piece in zip(keys, prompt.chunk_pieces):
-            if key in found or key in missing:
-                continue
-            store = self.prefix_store if piece.is_prefix else self.store
-            kv = store.get(key, self.fingerprint)
-            if not piece.is_prefix:
-                self.chunk_index.add(piece.text)
-            if kv is None:
-                missing[key] = (piece.ids, store)
-            else:
-                found[key] = kv
-        for store in {id(s): s for _, s in missing.values()}.values():
-            todo = [ids for ids, s in missing.values() if s is store]
-            found.update(self._encode_and_store(todo, 8, False, store, lazy=True))
-        dtype, device = self.loaded.dtype, self.device
-        return [found[k].to(device, dtype) for k in keys], set(missing)
 
     # ------------------------------------------------------------- prompts
     def build_segments(
@@ -366,7 +304,7 @@ class KVRAGEngine:
         self._check_fits(prompt.num_tokens, "the prompt", max_new_tokens)
         if strat.uses_chunk_caches and self.cache_prefix:
             prompt = cache_leading_text(prompt)
-        kvs, lazy = self._chunk_caches(prompt) if strat.uses_chunk_caches else ([], set())
+        kvs, lazy = self.caches.for_prompt(prompt) if strat.uses_chunk_caches else ([], set())
         with self._lock:
             output = strat.prefill(self.model, prompt, kvs)
         elapsed = time.perf_counter() - started

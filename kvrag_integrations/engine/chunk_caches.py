@@ -1,0 +1,156 @@
+"""ChunkCaches: one model's chunk caches, encoded alone, stored and found for prompts."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from kvrag_integrations.engine.chunks import encode_chunk_batch
+from kvrag_integrations.engine.kv import ChunkKV, cache_key
+from kvrag_integrations.engine.model import LoadedModel
+from kvrag_integrations.engine.results import ChunkRef
+from kvrag_integrations.engine.segments import TokenizedPrompt, tokenize_text, validate_chunk_text
+from kvrag_integrations.engine.spans import ChunkIndex
+from kvrag_integrations.errors import ContextWindowExceededError, StoreWriteError
+from kvrag_integrations.store import KVStore, MemoryKVStore
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkCaches:
+    """Encodes chunks alone, writes their caches to a store and finds them for prompts.
+
+    ``store`` holds chunk caches (shared, possibly on disk or in Redis);
+    ``prefix_store`` holds caches of prompts' leading text (system prompt,
+    template header, instruction): a few entries per template, kept in process.
+    ``index`` remembers chunk texts seen here, to find them inside flat prompts.
+
+    Examples:
+        >>> from kvrag_integrations import KVRAGEngine
+        >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
+        >>> ref, = engine.caches.encode(["Paris is the capital of France."])  # doctest: +SKIP
+        >>> engine.caches.store.contains(ref.key)  # doctest: +SKIP
+        True
+    """
+
+    def __init__(self, loaded: LoadedModel, store: KVStore, lock: threading.RLock) -> None:
+        self.loaded = loaded
+        self.store = store
+        self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
+        self.index = ChunkIndex()
+        self._lock = lock  # the engine's: one forward at a time
+
+    @property
+    def fingerprint(self) -> str:
+        return self.loaded.fingerprint
+
+    def key(self, text: str) -> str:
+        """The store key the chunk ``text`` has under this model."""
+        validate_chunk_text(text)
+        return cache_key(self.fingerprint, tokenize_text(self.loaded.tokenizer, text))
+
+    def encode(
+        self,
+        chunks: Sequence[str],
+        *,
+        batch_size: int = 8,
+        show_progress: bool = True,
+        overwrite: bool = False,
+        max_tokens: int | None = None,
+    ) -> list[ChunkRef]:
+        """Precompute and store each chunk's cache (intact stored ones are skipped).
+
+        ``max_tokens``: the context window; a longer chunk raises
+        ``ContextWindowExceededError`` before anything is encoded. Other
+        arguments as in ``KVRAGEngine.encode_chunks``.
+        """
+        if isinstance(chunks, str):
+            raise TypeError("chunks must be a list of strings, not one string")
+        tokenizer = self.loaded.tokenizer
+        ids = [tokenize_text(tokenizer, validate_chunk_text(c)) for c in chunks]
+        longest = max((len(i) for i in ids), default=0)
+        if max_tokens is not None and longest > max_tokens:
+            raise ContextWindowExceededError(
+                f"a chunk has {longest} tokens, over the model's context window of {max_tokens}"
+            )
+        for text in chunks:
+            self.index.add(text)
+        keys = [cache_key(self.fingerprint, i) for i in ids]
+        todo = {}
+        for key, tok in zip(keys, ids):
+            if key not in todo and (overwrite or not self.store.contains(key)):
+                todo[key] = tok
+        self.encode_and_store(list(todo.values()), batch_size, show_progress)
+        return [ChunkRef(k, len(i)) for k, i in zip(keys, ids)]
+
+    def encode_and_store(
+        self,
+        ids: list[torch.Tensor],
+        batch_size: int = 8,
+        show_progress: bool = False,
+        store: KVStore | None = None,
+        lazy: bool = False,
+    ) -> dict[str, ChunkKV]:
+        """Encode ``ids`` alone (batched, longest first) and write them to ``store``.
+
+        Ingestion raises ``StoreWriteError`` when a write fails. A lazy fill
+        (``lazy``: chunks missing at query time) only logs it and returns the
+        caches: the answer matters more than storing them.
+        """
+        store = store if store is not None else self.store
+        done: dict[str, ChunkKV] = {}
+        writable = True
+        order = sorted(ids, key=len, reverse=True)
+        bar = tqdm(
+            total=len(order), desc="Encoding chunk caches", unit="chunk", disable=not show_progress
+        )
+        pad_id = int(self.loaded.tokenizer.pad_token_id)
+        step = max(1, batch_size)
+        with bar:
+            for start in range(0, len(order), step):
+                batch = order[start : start + step]
+                with self._lock:
+                    kvs = encode_chunk_batch(self.loaded.model, batch, self.fingerprint, pad_id)
+                for kv in kvs:
+                    done[kv.key] = kv
+                    try:
+                        if writable:  # after one failure, don't wait on every other put
+                            store.put(kv)
+                    except StoreWriteError as exc:
+                        if not lazy:
+                            raise
+                        writable = False
+                        logger.warning("chunk caches not stored (%s); answering uncached", exc)
+                bar.update(len(batch))
+        return done
+
+    def for_prompt(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
+        """Stored caches of the prompt's chunks; missing ones are encoded and stored.
+
+        A cached leading text (``piece.is_prefix``) lives in ``prefix_store``.
+        Returns the caches in chunk order, on the model's device and dtype, and
+        the keys that were encoded here (lazily).
+        """
+        found: dict[str, ChunkKV] = {}
+        missing: dict[str, tuple[torch.Tensor, KVStore]] = {}
+        keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
+        for key, piece in zip(keys, prompt.chunk_pieces):
+            if key in found or key in missing:
+                continue
+            store = self.prefix_store if piece.is_prefix else self.store
+            kv = store.get(key, self.fingerprint)
+            if not piece.is_prefix:
+                self.index.add(piece.text)
+            if kv is None:
+                missing[key] = (piece.ids, store)
+            else:
+                found[key] = kv
+        for store in {id(s): s for _, s in missing.values()}.values():
+            todo = [ids for ids, s in missing.values() if s is store]
+            found.update(self.encode_and_store(todo, 8, False, store, lazy=True))
+        dtype, device = self.loaded.dtype, self.loaded.device
+        return [found[k].to(device, dtype) for k in keys], set(missing)
