@@ -176,3 +176,15 @@ def test_paired_table_compares_each_blend_row_with_turbo_on_the_same_questions()
         paired_bootstrap([0.1], [0.1, 0.2])
     estimate, low, high = paired_bootstrap([0.2, 0.1, 0.3, 0.3], [0.4, 0.2, 0.6, 0.2])
     assert low <= estimate <= high and low < high
+
+
+def test_agreement_preset_ends_at_full_prefill_by_the_layered_path(engine, tmp_path: Path) -> None:
+    """Ratio 1.0 is full prefill through the blend path: same first token, same answer."""
+    main(["quality", "--preset", "agreement", "--quick", "--no-loglik", "--items", "1",
+          "--out", str(tmp_path)])  # fmt: skip
+    payload = _strict((tmp_path / "quality-agreement.json").read_text())
+    rows = {r["strategy"]: r for r in payload["results"]}
+    assert list(rows) == ["full", "turbo", "blend@0.15", "blend@0.5", "blend@0.8", "blend@1"]
+    assert rows["blend@1"]["kl_vs_full"] < 1e-6 and rows["blend@1"]["f1_vs_full"] == 1
+    assert rows["turbo"]["kl_vs_full"] > 1e-3  # the ends of the axis differ measurably
+    assert all(r["gold_loglik"] is None for r in rows.values())  # --no-loglik

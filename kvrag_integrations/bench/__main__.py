@@ -66,7 +66,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--counts", type=_ints, default=None, help="scaling: chunk counts, e.g. 1,2,4")
     p.add_argument("--lengths", type=_ints, default=None, help="scaling: chunk lengths (tokens)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="quality/peer: answer length")
-    p.add_argument("--preset", default=None, help="quality: default, ablation, sinks or refresh")
+    p.add_argument(
+        "--preset", default=None, help="quality: default, ablation, sinks, refresh or agreement"
+    )
+    p.add_argument(
+        "--no-loglik", action="store_true", help="quality: skip the gold log-likelihood prefill"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 2 items, tiny sizes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG files")
     p.add_argument("--out", default="bench_results")
@@ -83,6 +88,7 @@ def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any
         "counts": args.counts,
         "lengths": args.lengths,
         "max_new_tokens": args.max_new_tokens,
+        "loglik": False if args.no_loglik else None,
     }
     if args.ratios is not None:
         given["strategies"] = [("full", {}), ("turbo", {})]

@@ -78,11 +78,23 @@ REFRESH: list[tuple[str, dict[str, Any]]] = [
                "deviation": "key"}),
 ]  # fmt: skip
 
+# How far the greedy answer's agreement with full rises as recompute approaches
+# everything: ratio 1.0 is full prefill by another code path (the numerical floor).
+AGREEMENT: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("blend", {"recompute_ratio": 0.15}),
+    ("blend", {"recompute_ratio": 0.5}),
+    ("blend", {"recompute_ratio": 0.8}),
+    ("blend", {"recompute_ratio": 1.0}),
+]
+
 PRESETS = {
     "default": DEFAULT_STRATEGIES,
     "ablation": ABLATION,
     "sinks": SINKS,
     "refresh": REFRESH,
+    "agreement": AGREEMENT,
 }
 # Smoke run: full, turbo, blend@0.15 (three points of the trade-off curve).
 QUICK = {"items": 1, "n_chunks": 3, "chunk_tokens": 32, "repeats": 1, "max_new_tokens": 4,

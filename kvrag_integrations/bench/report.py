@@ -26,6 +26,7 @@ SECTIONS = [
     ("quality-ablation", quality, "CacheBlend refinements at recompute ratio 0.15"),
     ("quality-sinks", quality, "CacheBlend on short chunks: chunk-start sinks kept or recomputed"),
     ("quality-refresh", quality, "CacheBlend on whole passages: check-layer refresh and sinks"),
+    ("quality-agreement", quality, "CacheBlend: answer agreement with full as recompute nears 1"),
     ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
     ("memory", memory, "Stored cache size per dtype and store read throughput"),
