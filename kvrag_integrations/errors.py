@@ -28,6 +28,24 @@ class ContextWindowExceededError(KVRAGError, ValueError):
     """The prompt plus the tokens to generate do not fit the model's context."""
 
 
+def check_fits(n_tokens: int, context_window: int, what: str, new_tokens: int = 0) -> None:
+    """Raise ``ContextWindowExceededError`` when ``what`` does not fit the context.
+
+    Examples:
+        >>> check_fits(10, 8192, "the prompt", new_tokens=24)
+        >>> try:
+        ...     check_fits(9000, 8192, "a chunk")
+        ... except ContextWindowExceededError as exc:
+        ...     print(exc)
+        a chunk has 9000 tokens (+0 to generate), over the model's context window of 8192
+    """
+    if n_tokens + new_tokens > context_window:
+        raise ContextWindowExceededError(
+            f"{what} has {n_tokens} tokens (+{new_tokens} to generate), over the "
+            f"model's context window of {context_window}"
+        )
+
+
 class CacheEntryError(KVRAGError):
     """A stored cache entry that must not be used: corrupt, truncated or foreign.
 

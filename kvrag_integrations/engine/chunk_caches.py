@@ -15,7 +15,7 @@ from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.results import ChunkRef
 from kvrag_integrations.engine.segments import TokenizedPrompt, tokenize_text, validate_chunk_text
 from kvrag_integrations.engine.spans import ChunkIndex
-from kvrag_integrations.errors import ContextWindowExceededError, StoreWriteError
+from kvrag_integrations.errors import StoreWriteError, check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
@@ -72,11 +72,8 @@ class ChunkCaches:
             raise TypeError("chunks must be a list of strings, not one string")
         tokenizer = self.loaded.tokenizer
         ids = [tokenize_text(tokenizer, validate_chunk_text(c)) for c in chunks]
-        longest = max((len(i) for i in ids), default=0)
-        if max_tokens is not None and longest > max_tokens:
-            raise ContextWindowExceededError(
-                f"a chunk has {longest} tokens, over the model's context window of {max_tokens}"
-            )
+        if max_tokens is not None:
+            check_fits(max((len(i) for i in ids), default=0), max_tokens, "a chunk")
         for text in chunks:
             self.index.add(text)
         keys = [cache_key(self.fingerprint, i) for i in ids]

@@ -33,7 +33,7 @@ from kvrag_integrations.engine.segments import (
 )
 from kvrag_integrations.engine.spans import ChunkIndex
 from kvrag_integrations.engine.strategies import Strategy, make_strategy
-from kvrag_integrations.errors import ContextWindowExceededError
+from kvrag_integrations.errors import check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
@@ -261,11 +261,7 @@ class KVRAGEngine:
         return tokenize_segments(self.tokenizer, segments)
 
     def _check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
-        if n_tokens + new_tokens > self.context_window:
-            raise ContextWindowExceededError(
-                f"{what} has {n_tokens} tokens (+{new_tokens} to generate), over the "
-                f"model's context window of {self.context_window}"
-            )
+        check_fits(n_tokens, self.context_window, what, new_tokens)
 
     # -------------------------------------------------------------- prefill
     def prefill(
