@@ -146,6 +146,6 @@ def paired_bootstrap(
     rng = random.Random(seed)
     draws = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
     tail = (1 - level) / 2
-    low = draws[int(tail * (resamples - 1))]
+    low = draws[round(tail * (resamples - 1))]
     high = draws[round((1 - tail) * (resamples - 1))]
     return stat(list(range(n))), low, high
