@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from kvrag_integrations import KVRAGEngine, MemoryKVStore
-from kvrag_integrations.engine import layers
-from kvrag_integrations.engine.layers import PromptKV, run_layers
+from kvrag_integrations.engine import forward
+from kvrag_integrations.engine.forward import PromptKV, run_tokens
 from kvrag_integrations.engine.strategies.blend import CacheBlend
-from kvrag_integrations.engine.strategies.turbo import assemble, with_last
+from kvrag_integrations.engine.strategies.reuse import with_last
+from kvrag_integrations.engine.strategies.turbo import TurboRAG
 
 CHUNKS = [
     "Marie Curie was a physicist and chemist who conducted pioneering research on "
@@ -82,17 +83,6 @@ def test_keep_chunk_starts_never_recomputes_them(engine: KVRAGEngine) -> None:
     assert reused - pre.reused_prefix_tokens == len(CHUNKS)
 
 
-def test_attention_weighting_keeps_the_references(engine: KVRAGEngine) -> None:
-    """Weighting only reorders candidates: ratio 1 is still full, ratio 0 still turbo."""
-    full, turbo = logits(engine, "full"), logits(engine, "turbo")
-    one = logits(engine, "blend", recompute_ratio=1.0, weighting="attention")
-    zero = logits(engine, "blend", recompute_ratio=0.0, weighting="attention")
-    torch.testing.assert_close(one, full, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(zero, turbo, atol=1e-3, rtol=1e-4)
-    mid = logits(engine, "blend", recompute_ratio=0.3, weighting="attention")
-    assert torch.isfinite(mid).all()
-
-
 def test_refresh_check_layer_makes_that_layer_exact(engine: KVRAGEngine) -> None:
     """With refresh, every token's check-layer K/V are full prefill's; later layers
     of the tokens not selected stay as turbo stored them."""
@@ -127,7 +117,6 @@ def test_deviation_variants_run(engine: KVRAGEngine, deviation: str) -> None:
         ({"recompute_ratio": "0.1"}, TypeError),
         ({"check_layer": -1}, ValueError),
         ({"deviation": "cosine"}, ValueError),
-        ({"weighting": "entropy"}, ValueError),
         ({"keep_chunk_starts": -1}, ValueError),
         ({"refresh_check_layer": 1}, TypeError),
     ],
@@ -164,20 +153,14 @@ def _kept_outputs_after_perturbing_later_keys(engine: KVRAGEngine) -> tuple[torc
     kept = torch.tensor([a0 + 2, a0 + 5, a1 - 1])
 
     def run(noise: bool) -> PromptKV:
-        kv, uncached = assemble(e.model, prompt, kvs)
+        kv, uncached = TurboRAG().assemble(e.loaded, prompt, kvs)
         if noise:
             gen = torch.Generator().manual_seed(0)
             shape = kv.keys[1:, :, b0:b1].shape
             kv.keys[1:, :, b0:b1] = torch.randn(shape, generator=gen)
             kv.values[1:, :, b0:b1] = torch.randn(shape, generator=gen)
-        todo = with_last(uncached, kv.num_tokens)
-        run_layers(
-            e.model,
-            kv,
-            todo,
-            full_layers=1,
-            selector=lambda _l, _q, _k, _v, idx: torch.isin(idx, kept),
-        )
+        rows = torch.unique(torch.cat([with_last(uncached, kv.num_tokens), kept]))
+        run_tokens(e.model, e.loaded.layout, kv, rows)
         return kv
 
     clean, noisy = run(False), run(True)
@@ -198,6 +181,6 @@ def test_kept_tokens_never_see_later_keys(engine: KVRAGEngine) -> None:
 
 def test_the_mask_test_fails_with_bottom_right_alignment(engine, monkeypatch) -> None:
     """The check above is sensitive: with bottom-right alignment the outputs move."""
-    monkeypatch.setattr(layers, "_mask", _bottom_right)
+    monkeypatch.setattr(forward, "visible", _bottom_right)
     k_clean, k_noisy, _, _ = _kept_outputs_after_perturbing_later_keys(engine)
     assert (k_clean - k_noisy).abs().max() > 1e-3

@@ -17,7 +17,7 @@ from kvrag_integrations import (
     UnsupportedModelError,
     cache_key,
 )
-from kvrag_integrations.engine.model import check_supported
+from kvrag_integrations.engine.layout import ModelLayout
 from kvrag_integrations.engine.rope import shift_keys
 
 TOWER = (
@@ -237,7 +237,7 @@ def test_unsupported_architecture_is_named() -> None:
 
     tiny = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=10))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
-        check_supported(tiny)
+        ModelLayout.of(tiny)
 
 
 def test_dynamic_rope_is_refused() -> None:
@@ -253,7 +253,7 @@ def test_dynamic_rope_is_refused() -> None:
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
     )
     with pytest.raises(UnsupportedModelError, match="dynamic"):
-        check_supported(LlamaForCausalLM(config))
+        ModelLayout.of(LlamaForCausalLM(config))
 
 
 def test_stop_strings_and_streaming(engine: KVRAGEngine) -> None:

@@ -45,7 +45,6 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
     ("blend", {"recompute_ratio": 0.15, "recompute_first": 4}),
     ("blend", {"recompute_ratio": 0.15, "check_layer": 2}),
     ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 1}),
-    ("blend", {"recompute_ratio": 0.15, "weighting": "attention"}),
 ]
 
 # Each chunk's first token (its attention sink when encoded alone) left cached or
@@ -61,7 +60,6 @@ SINKS: list[tuple[str, dict[str, Any]]] = [
     ("blend", {"recompute_ratio": 0.15, "keep_chunk_starts": 1, "refresh_check_layer": True}),
     ("blend", {"recompute_ratio": 0.05, "keep_chunk_starts": 1}),
     ("blend", {"recompute_ratio": 0.3, "keep_chunk_starts": 1}),
-    ("blend", {"recompute_ratio": 0.15, "weighting": "attention"}),
     ("blend", {"recompute_ratio": 0.15, "deviation": "key"}),
 ]
 

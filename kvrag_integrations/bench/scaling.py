@@ -7,7 +7,7 @@ fixed number of chunks. Full prefill grows super-linearly (attention over the
 whole prompt); turbo should stay near the **query-only floor**: the time to
 compute only the prompt's trailing text (the question and the chat template's
 end) through every layer over an already assembled cache, measured with the
-engine's own ``run_layers`` on the full-prefill cache of the same prompt. What
+engine's own ``run_tokens`` on the full-prefill cache of the same prompt. What
 turbo adds over it is tokenization, store reads, cache assembly (key
 re-rotation) and the short separators between chunks.
 
@@ -26,7 +26,7 @@ import torch
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, sync, timed
 from kvrag_integrations.bench.quality import label
-from kvrag_integrations.engine.layers import run_layers
+from kvrag_integrations.engine.forward import run_tokens
 
 STRATEGIES: list[tuple[str, dict[str, Any]]] = [
     ("full", {}),
@@ -68,7 +68,7 @@ def floor_time(engine: Any, question: str, chunks: list[str], repeats: int) -> t
     idx = torch.arange(total - tail.ids.numel(), total, device=kv.keys.device)
 
     def tail_only() -> None:
-        run_layers(engine.model, kv, idx)
+        run_tokens(engine.model, engine.loaded.layout, kv, idx)
         sync(engine)
 
     seconds, _ = timed(tail_only, repeats)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from kvrag_integrations.engine.kv import ChunkKV
 
@@ -28,7 +29,8 @@ def encode_chunk_batch(
 
     Right padding keeps every real token at positions 0..n-1 and the causal mask
     keeps it from seeing the padding after it, so each chunk's K/V equal those of
-    the chunk prefilled alone (up to float rounding of the batched matmuls).
+    the chunk prefilled alone (up to float rounding of the batched matmuls). The
+    model's inner decoder runs (no lm head: only the K/V are kept).
     """
     device = lm.device
     lengths = [int(ids.numel()) for ids in token_ids]
@@ -38,9 +40,12 @@ def encode_chunk_batch(
     for row, ids in enumerate(token_ids):
         batch[row, : ids.numel()] = ids
         mask[row, : ids.numel()] = 1
+    # A config-less DynamicCache keeps every token's K/V on sliding-window layers
+    # (the config's would keep only the last window); the mask applies the window.
     out = lm.model(
         input_ids=batch.to(device),
         attention_mask=mask.to(device),
+        past_key_values=DynamicCache(),
         use_cache=True,
     )
     layers = cache_layers(out.past_key_values)

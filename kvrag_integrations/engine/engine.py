@@ -78,6 +78,7 @@ class KVRAGEngine:
         store: KVStore | None = None,
         adapter: str | os.PathLike | None = None,
         trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
     ) -> KVRAGEngine:
         """Load a model (HF id, local path, ``.gguf`` file; None = bundled SmolLM2).
 
@@ -89,9 +90,16 @@ class KVRAGEngine:
             adapter: a PEFT adapter directory to merge (its caches get their own
                 fingerprint).
             trust_remote_code: passed to transformers.
+            attn_implementation: ``"sdpa"`` or ``"eager"``; None picks what the model
+                supports (reuse strategies need one of these two).
         """
         loaded = load_model(
-            model, device=device, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code
+            model,
+            device=device,
+            dtype=dtype,
+            adapter=adapter,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
         )
         return cls(loaded, store=store)
 
@@ -302,7 +310,7 @@ class KVRAGEngine:
             prompt = cache_leading_text(prompt)
         kvs, lazy = self.caches.for_prompt(prompt) if strat.uses_chunk_caches else ([], set())
         with self._lock:
-            output = strat.prefill(self.model, prompt, kvs)
+            output = strat.prefill(self.loaded, prompt, kvs)
         elapsed = time.perf_counter() - started
         return PrefillResult(output, prompt, strat.name, lazy, self.fingerprint, elapsed)
 

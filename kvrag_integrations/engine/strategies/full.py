@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from kvrag_integrations.engine.chunks import cache_layers
+from kvrag_integrations.engine.forward import PromptKV
 from kvrag_integrations.engine.kv import ChunkKV
-from kvrag_integrations.engine.layers import PromptKV
+from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
 
@@ -26,10 +27,18 @@ class FullPrefill(Strategy):
 
     @torch.no_grad()
     def prefill(
-        self, lm: Any, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]
+        self, model: LoadedModel, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]
     ) -> PrefillOutput:
+        lm = model.model
         ids = prompt.input_ids.to(lm.device)
-        out = lm(input_ids=ids.unsqueeze(0), use_cache=True, logits_to_keep=1)
+        # A config-less DynamicCache keeps every token's K/V on sliding-window
+        # layers too (the mask applies the window), so all layers stack.
+        out = lm(
+            input_ids=ids.unsqueeze(0),
+            past_key_values=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
+        )
         layers = cache_layers(out.past_key_values)
         kv = PromptKV(
             keys=torch.stack([k[0] for k, _ in layers]),

@@ -1,0 +1,196 @@
+"""The model's own forward over a prompt cache, computing only chosen tokens.
+
+Every strategy that reuses caches ends here. The prompt's K/V buffer
+(:class:`PromptKV`) holds each token's keys and values, cached or not yet
+computed; :func:`run_tokens` runs the chosen tokens (by sequence index) through
+the model's own forward (embedding and its scaling, every decoder layer with
+its norms, multipliers, softcapping, MoE routing, QK-norms; final norm, logit
+scaling) with three things of ours:
+
+- :class:`PromptCache`, a transformers ``Cache`` whose ``update()`` writes the
+  computed tokens' fresh K/V into the buffer at their sequence indices and
+  hands back the whole buffer, so each layer attends over cached and fresh K/V;
+- explicit position ids (each token's RoPE position, which need not be its
+  sequence index);
+- a 4D additive mask per layer type, by sequence index: a computed token sees
+  exactly the keys at indices <= its own, within the layer's window. (The
+  reference CacheBlend code aligns the causal mask bottom-right, which lets a
+  mid-sequence token see later keys.)
+
+A per-layer plug-in (``on_update``) sees each layer's fresh K/V before they
+are written and says which to write; ``stop_after`` ends the forward once a
+layer has written (CacheBlend's selection pass stops at its check layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import Cache
+
+from kvrag_integrations.engine.layout import ModelLayout
+
+
+@dataclass
+class PromptKV:
+    """The prompt's KV cache in sequence order.
+
+    Attributes:
+        keys: ``[layers, kv_heads, tokens, head_dim]`` post-RoPE keys.
+        values: same shape.
+        positions: ``[tokens]`` RoPE position of each token.
+        input_ids: ``[tokens]`` token ids.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    input_ids: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def next_position(self) -> int:
+        """Position of the first generated token."""
+        return int(self.positions.max().item()) + 1 if self.num_tokens else 0
+
+
+class StopForward(Exception):
+    """Ends a forward once layer ``stop_after`` has written its K/V (nothing later runs)."""
+
+
+# on_update(layer, fresh_keys, fresh_values, rows) -> bool mask over rows of the K/V
+# to write (None: all of them). Fresh K/V are [kv_heads, n, head_dim] post-RoPE, for
+# the tokens at sequence indices rows; the buffer still holds the previous ones.
+OnUpdate = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+class PromptCache(Cache):
+    """A transformers cache over a :class:`PromptKV` buffer, for one forward.
+
+    The forward computes the tokens at sequence indices ``rows``; each layer's
+    ``update()`` writes their K/V there and returns the buffer up to the last
+    computed row (nothing later is visible to any of them).
+    """
+
+    def __init__(
+        self,
+        kv: PromptKV,
+        rows: torch.Tensor,
+        on_update: OnUpdate | None = None,
+        stop_after: int | None = None,
+    ):
+        super().__init__(layers=[])
+        self.kv = kv
+        self.rows = rows
+        self.end = int(rows.max()) + 1
+        self.on_update = on_update
+        self.stop_after = stop_after
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.kv.keys[layer_idx], self.kv.values[layer_idx]
+        fresh_k, fresh_v = key_states[0], value_states[0]
+        write = None
+        if self.on_update is not None:
+            write = self.on_update(layer_idx, fresh_k, fresh_v, self.rows)
+        if write is None:
+            keys[:, self.rows] = fresh_k
+            values[:, self.rows] = fresh_v
+        elif write.numel():
+            keys[:, self.rows[write]] = fresh_k[:, write]
+            values[:, self.rows[write]] = fresh_v[:, write]
+        if layer_idx == self.stop_after:
+            raise StopForward
+        return keys[None, :, : self.end], values[None, :, : self.end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.end
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def visible(rows: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
+    """Bool ``[len(rows), total]``: which keys each computed row may attend to."""
+    keys = torch.arange(total, device=rows.device)
+    mask = keys[None, :] <= rows[:, None]
+    if window is not None:
+        mask &= keys[None, :] > rows[:, None] - window
+    return mask
+
+
+def additive_masks(
+    layout: ModelLayout, rows: torch.Tensor, total: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """One 4D additive mask ``[1, 1, rows, total]`` per layer type (sdpa and eager take it)."""
+    masks = {}
+    for layer_type, window in dict(zip(layout.layer_types, layout.windows)).items():
+        seen = visible(rows, total, window)
+        mask = torch.zeros(seen.shape, dtype=dtype, device=rows.device)
+        masks[layer_type] = mask.masked_fill_(~seen, torch.finfo(dtype).min)[None, None]
+    return masks
+
+
+def model_mask(layout: ModelLayout, masks: dict[str, torch.Tensor]) -> Any:
+    """What the model's forward takes as ``attention_mask``: a dict by layer type
+    where its layers differ, else the one 4D mask."""
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    return masks
+
+
+@torch.no_grad()
+def run_tokens(
+    lm: Any,
+    layout: ModelLayout,
+    kv: PromptKV,
+    rows: torch.Tensor,
+    on_update: OnUpdate | None = None,
+    stop_after: int | None = None,
+) -> torch.Tensor | None:
+    """Compute the tokens at sequence indices ``rows`` over ``kv`` with the model's forward.
+
+    Args:
+        lm: the causal LM.
+        layout: its :class:`ModelLayout`.
+        kv: the prompt buffer; computed tokens' K/V are written into it in place.
+        rows: sorted sequence indices to compute; the last one's logits are returned.
+        on_update: optional per-layer plug-in (see :data:`OnUpdate`).
+        stop_after: end the forward once this layer has written its K/V.
+
+    Returns:
+        float32 logits ``[vocab]`` of the last row, or None when stopped early.
+    """
+    refused = layout.reuse_refused
+    if refused:
+        from kvrag_integrations.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(refused)
+    device = kv.keys.device
+    rows = rows.to(device)
+    cache = PromptCache(kv, rows, on_update, stop_after)
+    masks = additive_masks(layout, rows, cache.end, kv.keys.dtype)
+    try:
+        out = lm(
+            input_ids=kv.input_ids.to(device)[rows][None],
+            position_ids=kv.positions.to(device)[rows][None],
+            attention_mask=model_mask(layout, masks),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    except StopForward:
+        return None
+    return out.logits[0, -1].float()

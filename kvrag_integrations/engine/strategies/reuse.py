@@ -1,0 +1,88 @@
+"""What turbo and blend share: laying stored chunk caches out in prompt order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvrag_integrations.engine.forward import PromptKV
+from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.engine.model import LoadedModel
+from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
+
+POSITION_MODES = ("reordered", "composite")
+
+
+def check_positions(positions: str) -> str:
+    if positions not in POSITION_MODES:
+        raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+    return positions
+
+
+class ChunkReuse(Strategy):
+    """Base of the strategies that start from the stored chunk caches.
+
+    Args:
+        positions: ``"reordered"`` (contiguous, TurboRAG's choice) moves each chunk
+            to where it sits in the prompt; ``"composite"`` (the paper's ablation)
+            leaves every chunk at 0 and continues text after the longest chunk.
+    """
+
+    def __init__(self, positions: str = "reordered") -> None:
+        self.positions = check_positions(positions)
+
+    def assemble(
+        self, model: LoadedModel, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]
+    ) -> tuple[PromptKV, torch.Tensor]:
+        """Lay the chunk caches out in prompt order, keys moved to their positions.
+
+        Returns:
+            ``(kv, uncached)``: the buffer (text tokens' slots not yet written) and
+            the sequence indices of the text tokens still to compute.
+        """
+        layout = model.layout
+        shape = (layout.num_layers, layout.kv_heads, prompt.num_tokens, layout.head_dim)
+        # Text tokens' slots are written by the forward before any layer reads them.
+        keys = torch.empty(shape, dtype=model.dtype, device=model.device)
+        values = torch.empty_like(keys)
+        pos = torch.empty(prompt.num_tokens, dtype=torch.long)
+        uncached = []
+        start = next_pos = 0
+        chunk_iter = iter(chunk_kvs)
+        for piece in prompt.pieces:
+            n = piece.ids.numel()
+            span = slice(start, start + n)
+            if piece.is_chunk:
+                chunk = next(chunk_iter)
+                at = next_pos if self.positions == "reordered" else 0
+                layout.shift_keys(chunk.keys, at, out=keys[:, :, span])
+                values[:, :, span] = chunk.values
+                pos[span] = torch.arange(at, at + n)
+                next_pos = max(next_pos, at + n)
+            else:
+                pos[span] = torch.arange(next_pos, next_pos + n)
+                next_pos += n
+                uncached.append(torch.arange(start, start + n))
+            start += n
+        kv = PromptKV(keys, values, pos.to(model.device), prompt.input_ids.to(model.device))
+        todo = torch.cat(uncached) if uncached else torch.zeros(0, dtype=torch.long)
+        return kv, todo.to(model.device)
+
+
+def with_last(idx: torch.Tensor, total: int) -> torch.Tensor:
+    """``idx`` plus the last prompt token, whose logits start decoding."""
+    last = torch.tensor([total - 1], device=idx.device)
+    return torch.unique(torch.cat([idx, last]))
+
+
+def output(
+    kv: PromptKV, logits: torch.Tensor, uncached: torch.Tensor, computed: torch.Tensor
+) -> PrefillOutput:
+    """The strategy's output, with chunk and reuse masks from what was computed."""
+    chunk = torch.ones(kv.num_tokens, dtype=torch.bool, device=computed.device)
+    chunk[uncached] = False
+    reused = chunk.clone()
+    reused[computed] = False
+    return PrefillOutput(kv, logits, chunk, reused)
