@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ _WHAT_WORKS = 'strategy="full" (plain prefill, no reuse) still works with any mo
 class RotaryShift:
     """How one layer type's keys move: ``inv_freq`` and the pairing convention."""
 
-    inv_freq: torch.Tensor  # float32 [rot_dim // 2]
+    inv_freq: torch.Tensor = field(repr=False)  # float32 [rot_dim // 2]
     interleaved: bool  # pairs (0,1),(2,3)... (Cohere) instead of (i, i + rot_dim/2)
 
     def shift(
