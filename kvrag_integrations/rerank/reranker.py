@@ -228,11 +228,11 @@ class KVReranker:
 
     def _check_fits(self, n_tokens: int) -> None:
         self.engine._check_fits(n_tokens, "a rerank prompt")
-        config = self.engine.model.config
-        window = getattr(config, "sliding_window", None)
+        windows = [w for w in self.engine.loaded.layout.windows if w is not None]
+        window = min(windows, default=None)
         # Our explicit 4D mask is full attention; a sliding-window layer would see
         # more than it was trained to, so refuse instead of scoring silently wrong.
-        if window and getattr(config, "use_sliding_window", True) and n_tokens > window:
+        if window is not None and n_tokens > window:
             raise UnsupportedModelError(
                 f"a rerank prompt of {n_tokens} tokens exceeds the sliding window ({window})"
             )
