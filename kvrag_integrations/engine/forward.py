@@ -180,12 +180,36 @@ def run_tokens(
         raise UnsupportedModelError(refused)
     device = kv.keys.device
     rows = rows.to(device)
+    # A row depends only on earlier rows, so a large scattered set can run as
+    # blocks in sequence order, each over keys up to its own last row: about a
+    # third less masked-out attention than one rectangle. A plug-in that
+    # selects across all rows (blend's check layer) needs them in one pass.
+    blocks = _BLOCKS if on_update is None and rows.numel() >= _BLOCK_MIN_ROWS else 1
+    logits = None
+    for part in rows.tensor_split(blocks):
+        if part.numel():
+            logits = _forward(lm, layout, kv, part, on_update, stop_after)
+    return logits
+
+
+_BLOCKS = 4
+_BLOCK_MIN_ROWS = 128
+
+
+def _forward(
+    lm: Any,
+    layout: ModelLayout,
+    kv: PromptKV,
+    rows: torch.Tensor,
+    on_update: OnUpdate | None,
+    stop_after: int | None,
+) -> torch.Tensor | None:
     cache = PromptCache(kv, rows, on_update, stop_after)
     masks = additive_masks(layout, rows, cache.end, kv.keys.dtype)
     try:
         out = lm(
-            input_ids=kv.input_ids.to(device)[rows][None],
-            position_ids=kv.positions.to(device)[rows][None],
+            input_ids=kv.input_ids.to(rows.device)[rows][None],
+            position_ids=kv.positions.to(rows.device)[rows][None],
             attention_mask=model_mask(layout, masks),
             past_key_values=cache,
             use_cache=True,

@@ -192,8 +192,13 @@ def test_a_turbo_with_leading_chunk_equals_full(model: LoadedModel) -> None:
     assert_close(turbo.logits, full_logits(model, prompt))
 
 
-def test_b_blend_ratio_one_equals_full(model: LoadedModel) -> None:
-    prompt = prompt_of(*THREE_CHUNKS)
+LONG = ((ids(6, 20), "text"), (ids(70, 21), "chunk"), (ids(60, 22), "chunk"), (ids(9, 23), "text"))
+
+
+@pytest.mark.parametrize("shape", ["three-chunks", "long"])
+def test_b_blend_ratio_one_equals_full(model: LoadedModel, shape: str) -> None:
+    """ "long" has enough tokens to run the second pass in blocks."""
+    prompt = prompt_of(*(THREE_CHUNKS if shape == "three-chunks" else LONG))
     kvs = chunk_kvs(model, prompt)
     for options in ({}, {"keep_chunk_starts": 0, "refresh_check_layer": True}):
         blend = CacheBlend(recompute_ratio=1.0, **options).prefill(model, prompt, kvs)
