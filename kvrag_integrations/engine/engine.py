@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -27,6 +28,7 @@ from kvrag_integrations.engine.segments import (
     Text,
     TokenizedPrompt,
     cache_leading_text,
+    check_text,
     rag_user_segments,
     render_chat,
     tokenize_segments,
@@ -37,6 +39,8 @@ from kvrag_integrations.errors import check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
+
+_ROLE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 
 _SHARED: dict[tuple[str, str, str], KVRAGEngine] = {}
 _SHARED_LOCK = threading.Lock()
@@ -222,7 +226,7 @@ class KVRAGEngine:
             raise TypeError("chunks must be a list of strings, not one string")
         chat: list[Message] = []
         if system_prompt is not None:
-            chat.append(("system", [Text(system_prompt)]))
+            chat.append(("system", [Text(check_text(system_prompt, "system_prompt"))]))
         if messages is not None:
             chat += [self._message(m, known_chunks) for m in messages]
         elif segments is not None:
@@ -247,13 +251,18 @@ class KVRAGEngine:
     def _message(self, message: dict[str, Any], known_chunks: Sequence[str]) -> Message:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise TypeError('each message must be a dict with "role" and "content"')
+        role = message["role"]
+        if not isinstance(role, str):
+            raise TypeError(f"a message role must be a str, got {type(role).__name__}")
+        if not _ROLE_RE.fullmatch(role):  # the template writes roles as markup
+            raise ValueError(f"a message role must be a plain name like 'user', got {role!r}")
         content = message["content"]
         if isinstance(content, str):
-            return message["role"], self.chunk_index.split(content, known_chunks)
+            return role, self.chunk_index.split(check_text(content, "content"), known_chunks)
         if isinstance(content, (list, tuple)) and all(
             isinstance(s, (Text, Chunk)) for s in content
         ):
-            return message["role"], list(content)
+            return role, list(content)
         raise TypeError("message content must be a string or a list of Text/Chunk segments")
 
     def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
