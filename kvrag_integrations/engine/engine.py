@@ -7,7 +7,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from kvrag_integrations.engine.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.generate import (
     GenerationResult,
     SamplingParams,
+    check_int,
     decode,
 )
 from kvrag_integrations.engine.model import LoadedModel, load_model
@@ -293,6 +294,7 @@ class KVRAGEngine:
         ``result.logits`` across strategies.
         """
         started = time.perf_counter()
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
         strat = make_strategy(strategy, **strategy_options)
         segs = self.build_segments(
             question=question,
@@ -333,14 +335,16 @@ class KVRAGEngine:
         top_k: int = 0,
         repetition_penalty: float = 1.0,
         seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] | str | None = (),
+        stop_token_ids: Sequence[int] | None = (),
         **strategy_options: Any,
     ) -> GenerationStream:
         """Like ``generate`` but returns an iterator of text pieces as they decode.
 
         The returned ``GenerationStream`` has ``.result`` (a ``GenerationResult``)
-        complete once the iterator is exhausted.
+        complete once the iterator is exhausted. Every argument is checked before
+        the prefill (``SamplingParams``); the prefill runs here, decoding as the
+        stream is read.
         """
         started = time.perf_counter()
         params = SamplingParams(
@@ -378,20 +382,20 @@ class KVRAGEngine:
             lazily_encoded_chunks=pre.lazily_encoded_chunks,
         )
 
-        def pieces() -> Generator[str, None, None]:
-            with self._lock:
-                yield from decode(
-                    self.model,
-                    self.tokenizer,
-                    out.kv,
-                    out.logits,
-                    params,
-                    result,
-                    started,
-                    self.eos_token_ids,
-                )
-
-        return GenerationStream(pieces(), result)
+        # The engine's lock is taken per forward inside decode, never across a
+        # yield: a stream its consumer stopped reading blocks no other request.
+        pieces = decode(
+            self.model,
+            self.tokenizer,
+            out.kv,
+            out.logits,
+            params,
+            result,
+            started,
+            self.eos_token_ids,
+            lock=self._lock,
+        )
+        return GenerationStream(pieces, result)
 
     def generate(
         self,
