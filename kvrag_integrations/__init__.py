@@ -28,6 +28,7 @@ from kvrag_integrations.errors import (
     KVRAGError,
     StoreWriteError,
     UnknownStrategyError,
+    UnsupportedInputError,
     UnsupportedModelError,
 )
 from kvrag_integrations.rerank import KVReranker
@@ -65,6 +66,7 @@ __all__ = [
     "Text",
     "TieredKVStore",
     "UnknownStrategyError",
+    "UnsupportedInputError",
     "UnsupportedModelError",
     "__version__",
     "cache_key",

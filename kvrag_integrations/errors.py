@@ -24,6 +24,13 @@ class InvalidChunkError(KVRAGError, ValueError):
     """A chunk that cannot be cached: not a string, empty or whitespace only."""
 
 
+class UnsupportedInputError(KVRAGError, ValueError):
+    """Input the text-only model cannot take (an image, audio or file block), named.
+
+    Adapters raise it instead of dropping the part silently.
+    """
+
+
 class ContextWindowExceededError(KVRAGError, ValueError):
     """The prompt plus the tokens to generate do not fit the model's context."""
 

@@ -212,3 +212,49 @@ def test_bench_forwards_its_arguments(capsys) -> None:
     assert code == 0 and "python -m kvrag_integrations.bench" in out and "--items" in out
     code, _, err = kvrag(capsys, "bench", "no-such-suite")
     assert code == 2 and "invalid choice" in err
+
+
+SECRET_URL = "redis://user:secret@127.0.0.1:1/0"  # port 1: nothing listens there
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["store", "stats", "--store", SECRET_URL],
+        ["store", "verify", "--store", SECRET_URL],
+        ["store", "prune", "--store", SECRET_URL, "--max-bytes", "0"],
+        ["store", "stats", "--store", "redis://user:secret@127.0.0.1:notaport/0"],
+        ["store", "stats", "--store", "s3://user:secret@bucket"],
+        ["store", "stats", "--store", "redis://127.0.0.1:1/0?password=secret"],
+    ],
+)
+def test_store_urls_never_show_their_password(capsys, argv) -> None:
+    """Failing to connect (or to parse) prints the error, never the credentials."""
+    code, out, err = kvrag(capsys, *argv)
+    assert code != 0 and err.startswith("kvrag: error: ")
+    assert "secret" not in out + err
+
+
+def test_store_stats_prints_a_redacted_url(capsys, tmp_path: Path) -> None:
+    """A server with a password: stats succeeds and prints the URL without it."""
+    import shutil
+
+    import redis
+
+    from kvrag_integrations.bench.memory import redis_server
+
+    if (binary := shutil.which("redis-server")) is None:
+        pytest.skip("redis-server not found (apt-get install redis-server)")
+    with redis_server(binary, tmp_path) as plain_url:
+        redis.Redis.from_url(plain_url).config_set("requirepass", "secret")
+        url = plain_url.replace("redis://", "redis://default:secret@")
+        code, out, err = kvrag(capsys, "store", "stats", "--store", url)
+        assert code == 0, err
+        assert "entries 0" in out and "redis://***@127.0.0.1:" in out
+        assert "secret" not in out + err
+
+
+def test_ask_checks_its_arguments_before_loading_anything(capsys, tmp_path: Path) -> None:
+    """A question that is not valid text (argv with bad bytes) is a one-line error."""
+    code, _, err = kvrag(capsys, "ask", "when\udcff?", "--collection", "d", "--chroma", "/nope")
+    assert code == 2 and "valid Unicode" in err and "Traceback" not in err

@@ -116,3 +116,41 @@ def test_concurrent_encode_of_one_chunk_writes_one_entry(
     assert store.verify() == {"ok": 1, "bad": 0}
     got = store.get(key, eng.fingerprint)
     assert got is not None and got.key == key
+
+
+def test_mixed_streams_and_generates_on_8_threads_give_the_serial_answers(
+    eng: KVRAGEngine,
+) -> None:
+    """Streams read slowly, interleaved with generates: decode steps interleave too."""
+    reqs = requests(16)
+    serial = [eng.generate(**r, max_new_tokens=6) for r in reqs]
+
+    def run(i: int) -> tuple[str, torch.Tensor]:
+        if i % 2:
+            result = eng.generate(**reqs[i], max_new_tokens=6)
+            return result.text, result.first_token_logits
+        stream = eng.stream(**reqs[i], max_new_tokens=6)
+        pieces = []
+        for piece in stream:
+            pieces.append(piece)
+            time.sleep(0.01)  # a slow reader: other requests run in between
+        return "".join(pieces), stream.result.first_token_logits
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        got = list(pool.map(run, range(len(reqs))))
+    for s, (text, logits) in zip(serial, got):
+        assert text == s.text
+        assert torch.allclose(logits, s.first_token_logits, atol=1e-4, rtol=0)
+
+
+def test_a_stalled_stream_does_not_block_a_thread_pool(eng: KVRAGEngine) -> None:
+    stalled = eng.stream(**requests(1)[0], max_new_tokens=50)
+    next(stalled)  # never read again
+    pool = ThreadPoolExecutor(max_workers=4)
+    try:
+        futures = [pool.submit(eng.generate, **r, max_new_tokens=2) for r in requests(8)]
+        results = [f.result(timeout=120) for f in futures]
+    finally:
+        stalled.close()  # (frees the workers if the stream did hold the engine)
+        pool.shutdown()
+    assert all(r.generated_tokens >= 1 for r in results)

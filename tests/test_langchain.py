@@ -267,3 +267,57 @@ async def test_errors_reach_the_caller(llm: ChatKVRAG) -> None:
     with pytest.raises(ValueError, match="unknown strategy"):
         [c async for c in llm.astream("Hello", strategy="nope")]
     assert llm.invoke("Hello", max_tokens=None).text  # None: the model's own setting
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ({"temperature": float("nan")}, ValueError),
+        ({"top_k": 2.5}, TypeError),
+        ({"max_tokens": 2.5}, TypeError),
+        ({"seed": "abc"}, TypeError),
+        ({"repetition_penalty": float("nan")}, ValueError),
+        ({"stop": [None]}, TypeError),
+        ({"top_p": 2.0}, ValueError),
+    ],
+)
+def test_bad_call_arguments_fail_before_any_forward(llm: ChatKVRAG, bad, error) -> None:
+    name = {"max_tokens": "max_new_tokens"}.get(next(iter(bad)), next(iter(bad)))
+    calls = []
+    hook = llm.engine.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(error, match=name):
+            llm.invoke("Hello", **bad)
+        with pytest.raises(error, match=name):
+            list(llm.stream("Hello", **bad))
+    finally:
+        hook.remove()
+    assert calls == []
+
+
+def test_bad_instance_settings_are_refused(engine: KVRAGEngine) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        ChatKVRAG(engine=engine, temperature=float("nan"))
+    with pytest.raises(ValueError):
+        ChatKVRAG(engine=engine, stop=[None])
+
+
+def test_media_blocks_raise_the_typed_error(engine: KVRAGEngine) -> None:
+    from kvrag_integrations import UnsupportedInputError
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(UnsupportedInputError, match="'image'"):
+        to_engine_messages([HumanMessage(content=[{"type": "text", "text": "hi"}, image])], engine)
+
+
+def test_an_abandoned_sync_stream_does_not_block_the_engine(llm: ChatKVRAG) -> None:
+    import threading
+
+    stream = llm.stream("Write a long story about a cat.", max_tokens=200)
+    next(stream)  # the caller reads one piece and walks away without closing
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (llm.invoke("Hello", max_tokens=2), done.set()))
+    worker.start()
+    worker.join(timeout=60)
+    stream.close()
+    assert done.is_set(), "a half-read LangChain stream held the engine"

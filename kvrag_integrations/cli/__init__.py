@@ -22,6 +22,7 @@ from types import ModuleType
 
 from kvrag_integrations.cli import ask, bench, ingest, store
 from kvrag_integrations.errors import KVRAGError
+from kvrag_integrations.store.url import redact_url
 from kvrag_integrations.train import cli as train
 
 SUBCOMMANDS: list[ModuleType] = [
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
+    text = redact_url(" ".join(str(exc).split()))  # a store URL may carry a password
     return text or type(exc).__name__
 
 

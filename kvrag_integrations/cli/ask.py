@@ -17,6 +17,8 @@ from kvrag_integrations.cli.common import (
     get_collection,
     store_from,
 )
+from kvrag_integrations.engine.generate import SamplingParams
+from kvrag_integrations.engine.segments import check_text
 from kvrag_integrations.engine.strategies import STRATEGIES
 
 _SOURCE_FIELD = "file_path"
@@ -50,10 +52,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """Check every argument before anything is loaded, retrieved or computed."""
+    try:
+        check_text(args.question, "the question")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     if not args.question.strip():
         raise CLIError("the question is empty")
     if args.top_k < 1 or args.max_new_tokens < 1:
         raise CLIError("--top-k and --max-new-tokens must be >= 1")
+    SamplingParams(max_new_tokens=args.max_new_tokens)
     if args.recompute_ratio is None:
         return {}
     if args.strategy != "blend":

@@ -19,6 +19,7 @@ from kvrag_integrations.store.maintenance import (
     select_for_pruning,
     summarize,
 )
+from kvrag_integrations.store.url import redact_url
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,7 +55,7 @@ def _stamp(t: float | None) -> str:
 def run_stats(args: argparse.Namespace) -> int:
     """Print the store's entry count, bytes, age range and fingerprints."""
     summary = summarize(store_from(args))
-    print(f"store {args.store}")
+    print(f"store {redact_url(args.store)}")
     print(f"entries {summary.entries}")
     print(f"bytes {summary.nbytes} ({human_bytes(summary.nbytes)})")
     print(f"oldest {_stamp(summary.oldest)}  newest {_stamp(summary.newest)}")

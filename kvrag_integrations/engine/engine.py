@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from kvrag_integrations.engine.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.generate import (
     GenerationResult,
     SamplingParams,
+    check_int,
     decode,
 )
 from kvrag_integrations.engine.model import LoadedModel, load_model
@@ -27,6 +29,7 @@ from kvrag_integrations.engine.segments import (
     Text,
     TokenizedPrompt,
     cache_leading_text,
+    check_text,
     rag_user_segments,
     render_chat,
     tokenize_segments,
@@ -37,6 +40,8 @@ from kvrag_integrations.errors import check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
+
+_ROLE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 
 _SHARED: dict[tuple[str, str, str], KVRAGEngine] = {}
 _SHARED_LOCK = threading.Lock()
@@ -230,7 +235,7 @@ class KVRAGEngine:
             raise TypeError("chunks must be a list of strings, not one string")
         chat: list[Message] = []
         if system_prompt is not None:
-            chat.append(("system", [Text(system_prompt)]))
+            chat.append(("system", [Text(check_text(system_prompt, "system_prompt"))]))
         if messages is not None:
             chat += [self._message(m, known_chunks) for m in messages]
         elif segments is not None:
@@ -255,13 +260,18 @@ class KVRAGEngine:
     def _message(self, message: dict[str, Any], known_chunks: Sequence[str]) -> Message:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise TypeError('each message must be a dict with "role" and "content"')
+        role = message["role"]
+        if not isinstance(role, str):
+            raise TypeError(f"a message role must be a str, got {type(role).__name__}")
+        if not _ROLE_RE.fullmatch(role):  # the template writes roles as markup
+            raise ValueError(f"a message role must be a plain name like 'user', got {role!r}")
         content = message["content"]
         if isinstance(content, str):
-            return message["role"], self.chunk_index.split(content, known_chunks)
+            return role, self.chunk_index.split(check_text(content, "content"), known_chunks)
         if isinstance(content, (list, tuple)) and all(
             isinstance(s, (Text, Chunk)) for s in content
         ):
-            return message["role"], list(content)
+            return role, list(content)
         raise TypeError("message content must be a string or a list of Text/Chunk segments")
 
     def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
@@ -292,6 +302,7 @@ class KVRAGEngine:
         ``result.logits`` across strategies.
         """
         started = time.perf_counter()
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
         strat = make_strategy(strategy, **strategy_options)
         segs = self.build_segments(
             question=question,
@@ -332,14 +343,16 @@ class KVRAGEngine:
         top_k: int = 0,
         repetition_penalty: float = 1.0,
         seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] | str | None = (),
+        stop_token_ids: Sequence[int] | None = (),
         **strategy_options: Any,
     ) -> GenerationStream:
         """Like ``generate`` but returns an iterator of text pieces as they decode.
 
         The returned ``GenerationStream`` has ``.result`` (a ``GenerationResult``)
-        complete once the iterator is exhausted.
+        complete once the iterator is exhausted. Every argument is checked before
+        the prefill (``SamplingParams``); the prefill runs here, decoding as the
+        stream is read.
         """
         started = time.perf_counter()
         params = SamplingParams(
@@ -377,20 +390,20 @@ class KVRAGEngine:
             lazily_encoded_chunks=pre.lazily_encoded_chunks,
         )
 
-        def pieces() -> Generator[str, None, None]:
-            with self._lock:
-                yield from decode(
-                    self.model,
-                    self.tokenizer,
-                    out.kv,
-                    out.logits,
-                    params,
-                    result,
-                    started,
-                    self.eos_token_ids,
-                )
-
-        return GenerationStream(pieces(), result)
+        # The engine's lock is taken per forward inside decode, never across a
+        # yield: a stream its consumer stopped reading blocks no other request.
+        pieces = decode(
+            self.model,
+            self.tokenizer,
+            out.kv,
+            out.logits,
+            params,
+            result,
+            started,
+            self.eos_token_ids,
+            lock=self._lock,
+        )
+        return GenerationStream(pieces, result)
 
     def generate(
         self,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -16,9 +19,21 @@ from kvrag_integrations.engine.forward import PromptKV
 class SamplingParams:
     """How the next token is chosen. ``temperature=0`` means greedy.
 
+    Every check on sampling arguments lives here, and every entry point (engine,
+    adapters, command line) builds one before any forward: a bad value is a
+    ``TypeError`` (wrong type) or ``ValueError`` (out of range, NaN) naming the
+    argument. ``stop`` and ``stop_token_ids`` may be None (none) and are kept as
+    tuples.
+
     Examples:
         >>> SamplingParams(temperature=0.7, top_p=0.9).greedy
         False
+        >>> SamplingParams(stop=None).stop
+        ()
+        >>> SamplingParams(temperature=float("nan"))
+        Traceback (most recent call last):
+        ...
+        ValueError: temperature must be a finite number >= 0, got nan
     """
 
     max_new_tokens: int = 256
@@ -27,26 +42,95 @@ class SamplingParams:
     top_k: int = 0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] | None = ()
+    stop_token_ids: Sequence[int] | None = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError("max_new_tokens must be >= 0")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
+        self.max_new_tokens = check_int("max_new_tokens", self.max_new_tokens, minimum=0)
+        self.top_k = check_int("top_k", self.top_k, minimum=0)
+        temperature = _real("temperature", self.temperature)
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        top_p = _real("top_p", self.top_p)
+        if not 0 < top_p <= 1:  # False for NaN too
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        penalty = _real("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(penalty) and penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty}")
+        self.temperature, self.top_p, self.repetition_penalty = temperature, top_p, penalty
+        if self.seed is not None:
+            self.seed = check_int("seed", self.seed)
+            try:
+                torch.Generator().manual_seed(self.seed)
+            except (RuntimeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"seed {self.seed} is out of range: {exc}") from None
+        self.stop = _items("stop", self.stop, str)
+        self.stop_token_ids = tuple(
+            check_int("stop_token_ids", i, minimum=0)
+            for i in _items("stop_token_ids", self.stop_token_ids, int)
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+SAMPLING_ARGS = tuple(f.name for f in fields(SamplingParams))
+
+
+def sampling_params(options: dict[str, Any]) -> SamplingParams:
+    """The ``SamplingParams`` of a request's options (other keys are ignored).
+
+    Adapters call it when they merge a call's options, so that bad values fail
+    before any retrieval or forward.
+
+    Examples:
+        >>> sampling_params({"temperature": 0.5, "strategy": "turbo"}).temperature
+        0.5
+    """
+    return SamplingParams(**{k: options[k] for k in SAMPLING_ARGS if k in options})
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """``value`` as an int (bools and floats refused), at least ``minimum``.
+
+    Examples:
+        >>> check_int("top_k", 2.5)
+        Traceback (most recent call last):
+        ...
+        TypeError: top_k must be an int, got float 2.5
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _items(name: str, value: Any, kind: type) -> tuple[Any, ...]:
+    """A tuple of ``kind`` items from None (empty), one ``kind`` value or a sequence."""
+    if value is None:
+        return ()
+    if kind is str and isinstance(value, str):
+        return (value,)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a list of {kind.__name__}, got {type(value).__name__}")
+    items = tuple(value)
+    for item in items:
+        bad = isinstance(item, bool) or not isinstance(item, kind)
+        if kind is int:
+            bad = isinstance(item, bool) or not isinstance(item, numbers.Integral)
+        if bad:
+            raise TypeError(
+                f"{name} must hold only {kind.__name__} values, got {type(item).__name__} {item!r}"
+            )
+    return items
 
 
 @dataclass
@@ -176,10 +260,15 @@ def decode(
     result: GenerationResult,
     started: float,
     eos_ids: Sequence[int],
+    lock: AbstractContextManager[Any] | None = None,
 ) -> Iterator[str]:
     """Decode from a prompt cache, yielding text increments; fills ``result``.
 
-    ``result.ttft_s`` is set when the first token is chosen.
+    ``result.ttft_s`` is set when the first token is chosen. ``lock`` (the
+    engine's) is held for each forward only, never across a ``yield``: a consumer
+    that stops reading holds nothing, and other requests' forwards interleave
+    with this one's steps (each request has its own cache, so answers do not
+    change).
     """
     generator = None
     if params.seed is not None:
@@ -217,13 +306,14 @@ def decode(
             break
         if cache is None:
             cache = to_dynamic_cache(kv)
-        out = lm(
-            input_ids=torch.tensor([[token]], device=lm.device),
-            position_ids=torch.tensor([[position]], device=lm.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with lock if lock is not None else nullcontext():
+            out = lm(
+                input_ids=torch.tensor([[token]], device=lm.device),
+                position_ids=torch.tensor([[position]], device=lm.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         position += 1
         logits = out.logits[0, -1]
     else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,12 +65,12 @@ class PrefillResult:
 class GenerationStream:
     """An iterator of text pieces; ``result`` holds the stats once it is exhausted.
 
-    Decoding holds the engine's lock between pieces: a consumer that stops early
-    should ``close()`` the stream (or use it as a context manager), which frees
-    the engine at once instead of whenever the stream is garbage-collected.
+    Decoding takes the engine's lock for each forward only, so a consumer that
+    stops reading blocks no other request; ``close()`` (or the context manager)
+    frees the stream's prompt cache at once instead of at garbage collection.
     """
 
-    def __init__(self, pieces: Generator[str, None, None], result: GenerationResult) -> None:
+    def __init__(self, pieces: Iterator[str], result: GenerationResult) -> None:
         self._pieces = pieces
         self.result = result
 
@@ -81,8 +81,10 @@ class GenerationStream:
         return next(self._pieces)
 
     def close(self) -> None:
-        """Stop decoding and release the engine (must run on the consuming thread)."""
-        self._pieces.close()
+        """Stop decoding and drop the stream's prompt cache."""
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self) -> GenerationStream:
         return self

@@ -1,15 +1,27 @@
 """A prompt as a list of segments, and turning it into token ids.
 
 ``Text`` is prefilled normally; ``Chunk`` is a retrieved passage whose KV cache
-may be reused. Prompt ids are always the concatenation of each segment's own ids
-(tokenized alone, without special tokens): re-tokenizing the joined string could
-merge tokens across a boundary, and then no cached chunk would line up.
+may be reused. Prompt ids are always the concatenation of each chunk's own ids
+and of each run of text between chunks (tokenized alone, without special
+tokens added): re-tokenizing the joined string could merge tokens across a
+boundary, and then no cached chunk would line up.
+
+Text is literal: a special-token string inside a chunk, a question or a message
+(``<|im_end|>`` say) is tokenized as the characters it is made of, never as the
+control token, so a retrieved document cannot open a system turn. Only markup
+(``Text(..., markup=True)``: what the chat template itself writes) has its
+special-token strings turned into control tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+import secrets
+import threading
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +35,13 @@ DEFAULT_INSTRUCTION = (
 
 @dataclass(frozen=True)
 class Text:
-    """Plain prompt text, always prefilled.
+    """Prompt text, always prefilled.
+
+    Attributes:
+        text: the text; tokenized literally (special-token strings in it stay text).
+        markup: the text is chat-template markup whose special-token strings are
+            control tokens (``render_chat`` sets it on the template's own text;
+            set it yourself only for text you wrote, never for user input).
 
     Examples:
         >>> Text("Question: who?").text
@@ -31,6 +49,7 @@ class Text:
     """
 
     text: str
+    markup: bool = field(default=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,32 @@ def validate_chunk_text(text: Any) -> str:
         raise InvalidChunkError(f"a chunk must be a str, got {type(text).__name__}")
     if not text.strip():
         raise InvalidChunkError("a chunk must contain non-whitespace text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidChunkError(
+            f"a chunk must be valid Unicode text: {exc.reason} at index {exc.start}"
+        ) from None
+    return text
+
+
+def check_text(text: Any, what: str) -> str:
+    """Return ``text`` if it is a str that UTF-8 can encode, else a typed error naming it.
+
+    Examples:
+        >>> check_text("abc\\ud800", "question")
+        Traceback (most recent call last):
+        ...
+        ValueError: question must be valid Unicode text: surrogates not allowed at index 3
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} must be valid Unicode text: {exc.reason} at index {exc.start}"
+        ) from None
     return text
 
 
@@ -110,26 +155,146 @@ def cache_leading_text(prompt: TokenizedPrompt) -> TokenizedPrompt:
     return TokenizedPrompt([Piece(head.ids, True, head.text, is_prefix=True), *pieces[1:]])
 
 
-def tokenize_text(tokenizer: Any, text: str) -> torch.Tensor:
-    """Token ids of ``text`` alone, with no special tokens added."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+# Per tokenizer: (markup backend, literal backend), private copies of its Rust
+# tokenizer. transformers' ``split_special_tokens`` flips a flag on the shared
+# backend for each call, which races between threads; copies with the flag
+# fixed never change, so a literal text is literal whatever other threads do.
+_BACKENDS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_BACKENDS_LOCK = threading.Lock()
+_SLOW_LOCK = threading.Lock()  # tokenizers without a Rust backend: one call at a time
+
+
+def _backends(tokenizer: Any) -> tuple[Any, Any] | None:
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    with _BACKENDS_LOCK:
+        try:
+            pair = _BACKENDS.get(tokenizer)
+        except TypeError:  # not weak-referenceable: build the copies each time
+            pair = None
+        if pair is None:
+            from tokenizers import Tokenizer
+
+            markup, literal = (Tokenizer.from_str(backend.to_str()) for _ in range(2))
+            for copy in (markup, literal):  # a copy keeps truncation set by past calls
+                copy.no_truncation()
+                copy.no_padding()
+            markup.encode_special_tokens = False
+            literal.encode_special_tokens = True
+            pair = (markup, literal)
+            with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
+                _BACKENDS[tokenizer] = pair
+    return pair
+
+
+def control_token_strings(tokenizer: Any) -> list[str]:
+    """The tokenizer's added-token strings (e.g. ``<|im_end|>``), longest first."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    strings = {getattr(t, "content", str(t)) for t in decoder.values()}
+    return sorted((s for s in strings if s), key=len, reverse=True)
+
+
+def _encode(tokenizer: Any, text: str, literal: bool) -> list[int]:
+    if not text:
+        return []
+    pair = _backends(tokenizer)
+    if pair is not None:
+        return list(pair[literal].encode(text, add_special_tokens=False).ids)
+    if literal and any(c in text for c in control_token_strings(tokenizer)):
+        with _SLOW_LOCK:
+            out = tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+        return list(out["input_ids"])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def tokenize_text(tokenizer: Any, text: str, *, markup: bool = False) -> torch.Tensor:
+    """Token ids of ``text`` alone, with no special tokens added.
+
+    The text is literal (special-token strings in it are ordinary text) unless
+    ``markup`` is true: then they become the control tokens.
+
+    Examples:
+        >>> tok = lambda text, add_special_tokens=False: {"input_ids": [len(text)]}
+        >>> tokenize_text(tok, "four").tolist()
+        [4]
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return torch.tensor(_encode(tokenizer, text, literal=not markup), dtype=torch.long)
+
+
+def tokenize_texts(tokenizer: Any, texts: Sequence[Text]) -> torch.Tensor:
+    """Ids of a run of ``Text`` segments, tokenized as their joined string would be.
+
+    Markup is cut only at its control tokens; everything else (markup text and
+    literal text alike) is joined and tokenized literally. Since tokenizers split
+    at control tokens first anyway, the ids equal those of the joined string
+    tokenized normally, except that no control token can come from literal text.
+    """
+    controls = control_token_strings(tokenizer)
+    ids: list[int] = []
+    plain = ""
+    for seg in texts:
+        check_text(seg.text, "Text.text")
+        if not seg.markup or not controls:
+            plain += seg.text
+            continue
+        for part in _split_controls(seg.text, controls):
+            if part in controls:
+                ids += _encode(tokenizer, plain, literal=True)
+                ids += _encode(tokenizer, part, literal=False)
+                plain = ""
+            else:
+                plain += part
+    ids += _encode(tokenizer, plain, literal=True)
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _split_controls(text: str, controls: Sequence[str]) -> list[str]:
+    """``text`` cut before and after every occurrence of a control string."""
+    out: list[str] = []
+    start = i = 0
+    while i < len(text):
+        hit = next((c for c in controls if text.startswith(c, i)), None)
+        if hit is None:
+            i += 1
+            continue
+        out += [text[start:i], hit]
+        i = start = i + len(hit)
+    out.append(text[start:])
+    return [p for p in out if p]
+
+
 def tokenize_segments(tokenizer: Any, segments: Sequence[Segment]) -> TokenizedPrompt:
-    """Tokenize each segment alone and keep them in order (empty Text is dropped)."""
-    pieces = []
+    """Tokenize each chunk alone and each run of text between chunks alone, in order.
+
+    Consecutive ``Text`` segments form one piece (empty runs are dropped).
+    """
+    pieces: list[Piece] = []
+    run: list[Text] = []
+
+    def flush() -> None:
+        if run:
+            ids = tokenize_texts(tokenizer, run)
+            if ids.numel():
+                pieces.append(Piece(ids, False, "".join(t.text for t in run)))
+            run.clear()
+
     for seg in segments:
         if isinstance(seg, Chunk):
-            pieces.append(Piece(tokenize_text(tokenizer, seg.text), True, seg.text))
+            flush()
+            validate_chunk_text(seg.text)
+            ids = tokenize_text(tokenizer, seg.text)
+            if ids.numel():
+                pieces.append(Piece(ids, True, seg.text))
         elif isinstance(seg, Text):
-            if not isinstance(seg.text, str):
-                raise TypeError(f"Text.text must be a str, got {type(seg.text).__name__}")
-            if seg.text:
-                pieces.append(Piece(tokenize_text(tokenizer, seg.text), False, seg.text))
+            check_text(seg.text, "Text.text")
+            run.append(seg)
         else:
             raise TypeError(f"segments must be Text or Chunk, got {type(seg).__name__}")
-    return TokenizedPrompt([p for p in pieces if p.ids.numel() > 0])
+    flush()
+    return TokenizedPrompt(pieces)
 
 
 def rag_user_segments(
@@ -141,8 +306,7 @@ def rag_user_segments(
         >>> [type(s).__name__ for s in rag_user_segments("Who?", ["A.", "B."])]
         ['Text', 'Chunk', 'Text', 'Chunk', 'Text']
     """
-    if not isinstance(question, str):
-        raise TypeError(f"question must be a str, got {type(question).__name__}")
+    check_text(question, "question")
     segments: list[Segment] = []
     lead = f"{instruction}\n\n" if instruction else ""
     for i, text in enumerate(chunks):
@@ -153,49 +317,85 @@ def rag_user_segments(
     return [s for s in segments if not (isinstance(s, Text) and not s.text)]
 
 
-_SENTINEL = "\x00kvrag-chunk-{}\x00"
-
-
 Message = tuple[str, Sequence[Segment]]  # (role, content segments)
+
+
+def _slot(nonce: str, i: int) -> str:
+    return f"\x00kvrag-{nonce}-{i}\x00"
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
     """Render chat messages with the model's template, keeping chunks intact.
 
-    The template is rendered with a sentinel in place of each chunk and the result
-    is split at the sentinels, so chunks stay separate segments whose ids match
-    their stored caches. The generation prompt for the assistant is appended.
+    Every piece of message content (text and chunks) goes into the template as a
+    placeholder, and the result is split at the placeholders: the template's own
+    text comes back as markup (its control tokens are real), the messages' text
+    and chunks as literal segments, and chunks keep the ids of their stored
+    caches. Placeholders carry a random nonce drawn per call, so no text can
+    forge one. The generation prompt for the assistant is appended.
+
+    A template that rewrites message text (``| trim``, say) is detected by
+    rendering the plain text too; it is then rendered the old way (text in place,
+    chunks as placeholders), and text holding a control-token string is refused
+    since it could not be kept literal there.
 
     Args:
         tokenizer: a tokenizer with ``chat_template``.
         messages: ``(role, segments)`` pairs, e.g. ``[("user", [Text("Q"), Chunk(c)])]``.
     """
-    chunks: dict[int, Chunk] = {}
-    rendered_messages = []
+    nonce = secrets.token_hex(16)
+    slots: list[Segment] = []
+    templated, plain = [], []
+    for role, content in messages:
+        text = ""
+        for seg in content:
+            if seg.text:
+                text += _slot(nonce, len(slots))
+                slots.append(seg)
+        templated.append({"role": role, "content": text})
+        plain.append({"role": role, "content": "".join(seg.text for seg in content)})
+    render = partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
+    out = split_rendered(render(templated), nonce, slots)
+    if "".join(seg.text for seg in out) == render(plain):
+        return out
+    return _render_in_place(tokenizer, messages, render, nonce)
+
+
+def _render_in_place(
+    tokenizer: Any, messages: Sequence[Message], render: Any, nonce: str
+) -> list[Segment]:
+    """Fallback for templates that rewrite text: only chunks are placeholders."""
+    controls = control_token_strings(tokenizer)
+    chunks: list[Segment] = []
+    dicts = []
     for role, content in messages:
         text = ""
         for seg in content:
             if isinstance(seg, Chunk):
-                chunks[len(chunks)] = seg
-                text += _SENTINEL.format(len(chunks) - 1)
+                text += _slot(nonce, len(chunks))
+                chunks.append(seg)
             else:
+                if not seg.markup and any(c in seg.text for c in controls):
+                    raise ValueError(
+                        "this chat template rewrites message text, so a control-token "
+                        f"string in it ({next(c for c in controls if c in seg.text)!r}) "
+                        "cannot be kept literal; remove it or pass it inside a chunk"
+                    )
                 text += seg.text
-        rendered_messages.append({"role": role, "content": text})
-    rendered = tokenizer.apply_chat_template(
-        rendered_messages, tokenize=False, add_generation_prompt=True
-    )
-    return split_rendered(rendered, chunks)
+        dicts.append({"role": role, "content": text})
+    return split_rendered(render(dicts), nonce, chunks)
 
 
-def split_rendered(rendered: str, chunks: dict[int, Chunk]) -> list[Segment]:
-    """Split a rendered prompt at chunk sentinels into Text and Chunk segments."""
+def split_rendered(rendered: str, nonce: str, slots: Sequence[Segment]) -> list[Segment]:
+    """Split a rendered prompt at its placeholders: markup ``Text`` around the slots."""
     out: list[Segment] = []
     rest = rendered
-    for i, chunk in chunks.items():
-        marker = _SENTINEL.format(i)
-        before, found, rest = rest.partition(marker)
-        if not found:
-            raise ValueError("the chat template dropped or altered a chunk placeholder")
-        out += [Text(before), chunk]
-    out.append(Text(rest))
+    for i, seg in enumerate(slots):
+        before, found, rest = rest.partition(_slot(nonce, i))
+        if not found or _slot(nonce, i) in rest:
+            raise ValueError("the chat template dropped, repeated or altered a placeholder")
+        out += [Text(before, markup=True), seg]
+    if f"\x00kvrag-{nonce}-" in rest:
+        raise ValueError("the chat template reordered the message placeholders")
+    out.append(Text(rest, markup=True))
     return [s for s in out if not (isinstance(s, Text) and not s.text)]

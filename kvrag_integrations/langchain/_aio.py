@@ -16,9 +16,9 @@ _ITEM, _DONE, _ERROR = "item", "done", "error"
 async def aiter_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
     """Run ``factory()`` and iterate it in one worker thread, yielding items here.
 
-    The whole iteration stays on one thread, so an iterator that holds a lock
-    between items (the engine's decode loop does) acquires and releases it on
-    the same thread. When the consumer stops early or is cancelled, the worker
+    The whole iteration stays on one thread, so a generator is never resumed
+    from two threads (the engine's decode loop takes its lock per forward, never
+    between items). When the consumer stops early or is cancelled, the worker
     stops after the item in progress and closes the iterator.
 
     Examples:

@@ -14,6 +14,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag_integrations.engine import GenerationResult, KVRAGEngine
+from kvrag_integrations.engine.generate import sampling_params
 from kvrag_integrations.langchain._aio import aiter_in_thread
 from kvrag_integrations.langchain.messages import to_engine_messages
 
@@ -84,6 +85,8 @@ class ChatKVRAG(BaseChatModel):
 
     @model_validator(mode="after")
     def _load_engine(self) -> ChatKVRAG:
+        sampling_params({arg: getattr(self, name) for name, arg in _SAMPLING.items()})
+        sampling_params({"stop": self.stop})
         self._ensure_engine()
         return self
 
@@ -177,9 +180,10 @@ class ChatKVRAG(BaseChatModel):
         for name, arg in _SAMPLING.items():
             value = kwargs.pop(name, None)  # None (or absent): this model's own setting
             sampling[arg] = getattr(self, name) if value is None else value
+        stops = stop if stop is not None else self.stop
+        sampling_params({**sampling, "stop": stops})  # bad values fail before any forward
         eng_messages, known = to_engine_messages(messages, engine, kwargs.pop("documents", None))
         options.update(kwargs)  # what is left: strategy options passed as keywords
-        stops = stop if stop is not None else self.stop
         return engine, {
             "messages": eng_messages,
             "known_chunks": known,

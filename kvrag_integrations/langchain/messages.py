@@ -22,6 +22,7 @@ from langchain_core.messages import (
 )
 
 from kvrag_integrations.engine import CACHE_KEY_FIELD, Chunk, KVRAGEngine, Segment, Text
+from kvrag_integrations.errors import UnsupportedInputError
 
 # Content blocks that carry no prompt text (a text-only model skips them).
 _SKIPPED_BLOCKS = {
@@ -96,7 +97,8 @@ def content_segments(
     blocks are joined and split at known chunks like strings.
 
     Raises:
-        ValueError: an image, audio, video or file block (the model reads text only).
+        UnsupportedInputError: an image, audio, video or file block (the model reads
+            text only), or a block type it does not know (a ``ValueError``).
     """
     if isinstance(message.content, str):
         return message.content
@@ -122,9 +124,9 @@ def content_segments(
             else:
                 pending.append(text)
         elif kind in _MEDIA_BLOCKS or kind == "text-plain":
-            raise ValueError(f"ChatKVRAG reads text only; got a {kind!r} content block")
+            raise UnsupportedInputError(f"ChatKVRAG reads text only; got a {kind!r} content block")
         elif kind not in _SKIPPED_BLOCKS:
-            raise ValueError(f"unsupported content block type {kind!r}")
+            raise UnsupportedInputError(f"unsupported content block type {kind!r}")
     flush()
     return segments
 

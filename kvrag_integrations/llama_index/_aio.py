@@ -17,10 +17,11 @@ _DONE = object()
 async def iterate_in_thread(items: Iterator[T]) -> AsyncIterator[T]:
     """Iterate a blocking iterator on one dedicated thread, yielding asynchronously.
 
-    One thread for the whole iteration (not ``asyncio.to_thread`` per item): the
-    engine's decode loop holds a re-entrant lock that must be released by the
-    thread that took it. If the consumer stops early, the worker stops after the
-    item in flight and closes the iterator on its own thread.
+    One thread for the whole iteration (not ``asyncio.to_thread`` per item): a
+    generator is then never resumed from two threads, and a thread hand-off per
+    item is saved. The engine takes its lock per forward, so a paused consumer
+    holds nothing. If the consumer stops early, the worker stops after the item
+    in flight and closes the iterator on its own thread.
 
     Examples:
         >>> async def collect():

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_index.core.base.llms.types import (
+    CachePoint,
     ChatMessage,
     ChatResponse,
     ChatResponseAsyncGen,
@@ -17,12 +18,15 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
+    TextBlock,
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, PrivateAttr
 
+from kvrag_integrations.engine.generate import sampling_params
 from kvrag_integrations.engine.strategies import make_strategy
+from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.llama_index._aio import iterate_in_thread
 from kvrag_integrations.llama_index.hooks import install_hooks, request_chunks
 
@@ -103,6 +107,7 @@ class KVRAGLLM(CustomLLM):
             raise ValueError("pass an engine or a model name, not both")
         super().__init__(**kwargs)
         make_strategy(self.strategy, **self.strategy_options)  # fail early on a bad option
+        self._options({})  # and on a bad sampling value
         if engine is None:
             from kvrag_integrations.engine.engine import KVRAGEngine
 
@@ -155,6 +160,10 @@ class KVRAGLLM(CustomLLM):
     ) -> _Request:
         if system and self.system_prompt:
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return _Request(messages, request_chunks(), self._options(kwargs))
+
+    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The engine options of one call: the instance's, overridden by the call's."""
         options: dict[str, Any] = {
             "strategy": self.strategy,
             "max_new_tokens": self.max_new_tokens,
@@ -168,16 +177,19 @@ class KVRAGLLM(CustomLLM):
         if strategy_options is None:  # the instance's options go with the instance's strategy
             strategy_options = self.strategy_options if options["strategy"] == self.strategy else {}
         options.update(strategy_options)
-        return _Request(messages, request_chunks(), options)
+        sampling_params(options)  # bad sampling values fail here, before any forward
+        return options
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> _Request:
         dicts = []
         for message in messages:
             role = getattr(message.role, "value", message.role)
-            dicts.append({"role": _ROLES.get(role, role), "content": message.content or ""})
+            dicts.append({"role": _ROLES.get(role, role), "content": _message_text(message)})
         return self._request(dicts, kwargs, system=False)
 
     def _prompt_request(self, prompt: str, kwargs: dict[str, Any]) -> _Request:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         return self._request([{"role": "user", "content": prompt}], kwargs, system=True)
 
     def _open(self, request: _Request) -> Any:
@@ -263,6 +275,21 @@ class KVRAGLLM(CustomLLM):
     ) -> ChatResponseAsyncGen:
         stream = await asyncio.to_thread(self._open, self._chat_request(messages, kwargs))
         return iterate_in_thread(self._chat_gen(stream))
+
+
+def _message_text(message: ChatMessage) -> str:
+    """A message's text; a block the text-only model cannot read is refused, not dropped."""
+    parts = []
+    for block in message.blocks:
+        if isinstance(block, TextBlock):
+            parts.append(block.text)
+        elif not isinstance(block, CachePoint):  # a cache hint carries no content
+            kind = getattr(block, "block_type", type(block).__name__)
+            raise UnsupportedInputError(
+                f"KVRAGLLM reads text only; got a {type(block).__name__} ({kind!r}) "
+                "in a chat message"
+            )
+    return "\n".join(parts)  # as ChatMessage.content joins them
 
 
 def _chat_response(text: str, stats: dict[str, Any], delta: str | None = None) -> ChatResponse:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.engine.segments import tokenize_text
+from kvrag_integrations.engine.segments import Text, tokenize_text, tokenize_texts
 from kvrag_integrations.errors import UnsupportedModelError
 
 # The answer words whose probabilities are compared; every casing that is one
@@ -205,10 +205,11 @@ def answer_token_ids(tokenizer: Any, variants: Sequence[str]) -> list[int]:
 class TokenizedTemplate:
     """A template bound to a tokenizer: prompt ids built segment by segment.
 
-    The prefix ids are the instruction's ids then the document's, each tokenized
-    alone, so a document's prefix (and its cache key) never depends on the query;
-    the suffix (text after the document, query, question) is tokenized as one
-    piece since it is never cached.
+    The prefix ids are the instruction's ids (markup: its control tokens are
+    real) then the document's (literal text), each tokenized alone, so a
+    document's prefix (and its cache key) never depends on the query; the suffix
+    (text after the document, the literal query, the question) is tokenized as
+    one run since it is never cached.
 
     Examples:
         >>> tok = lambda text, add_special_tokens=False: {"input_ids": [len(text)]}
@@ -226,7 +227,7 @@ class TokenizedTemplate:
         # keeps the document's first token what it is in running text.
         self.doc_lead = " " if parts.before_document.endswith(" ") else ""
         head = parts.before_document[: len(parts.before_document) - len(self.doc_lead)]
-        self.head_ids = tokenize_text(tokenizer, head)
+        self.head_ids = tokenize_text(tokenizer, head, markup=True)
         self.before_query = parts.before_query
         self.after_query = parts.after_query
         self.yes_ids = answer_token_ids(tokenizer, YES_VARIANTS)
@@ -240,5 +241,13 @@ class TokenizedTemplate:
         return torch.cat([self.head_ids, doc])
 
     def suffix_ids(self, query: str) -> torch.Tensor:
-        """Ids of everything after the document, ending where the model answers."""
-        return tokenize_text(self.tokenizer, f"{self.before_query}{query}{self.after_query}")
+        """Ids of everything after the document, ending where the model answers.
+
+        The template's text is markup; the query, like the document, is literal.
+        """
+        texts = [
+            Text(self.before_query, markup=True),
+            Text(query),
+            Text(self.after_query, markup=True),
+        ]
+        return tokenize_texts(self.tokenizer, texts)

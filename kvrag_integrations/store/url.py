@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from kvrag_integrations.errors import StoreURLError
 from kvrag_integrations.store.base import KVStore
 from kvrag_integrations.store.disk import DiskKVStore
@@ -52,5 +54,29 @@ expected disk:DIR, redis://host:port/db, rediss://... or memory
         try:
             return RedisKVStore(text)
         except ValueError as exc:  # redis-py's own URL parsing
-            raise StoreURLError(f"bad redis URL {url!r}: {exc}") from exc
-    raise StoreURLError(f"unknown store URL {url!r}; expected {STORE_URL_FORMS}")
+            raise StoreURLError(
+                f"bad redis URL {redact_url(url)!r}: {redact_url(str(exc))}"
+            ) from None
+    raise StoreURLError(f"unknown store URL {redact_url(url)!r}; expected {STORE_URL_FORMS}")
+
+
+# scheme://userinfo@ and password=... query parameters (redis URLs take both).
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/@]*@")
+_SECRET_PARAM = re.compile(r"(?i)\b(password|passwd|pass|token|secret)=[^&\s'\"]*")
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the credentials of every URL in it replaced by ``***``.
+
+    Used on everything the package prints or logs that may hold a store URL.
+
+    Examples:
+        >>> redact_url("redis://user:secret@127.0.0.1:6379/0")
+        'redis://***@127.0.0.1:6379/0'
+        >>> redact_url("cannot reach rediss://h:1/0?password=secret&db=1")
+        'cannot reach rediss://h:1/0?password=***&db=1'
+        >>> redact_url("disk:./kv")
+        'disk:./kv'
+    """
+    text = _USERINFO.sub(r"\1***@", str(text))
+    return _SECRET_PARAM.sub(r"\1=***", text)
