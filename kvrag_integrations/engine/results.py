@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +23,12 @@ class ChunkRef:
 
 @dataclass
 class PrefillResult:
-    """A built prompt cache with the request's accounting (see ``KVRAGEngine.prefill``)."""
+    """A built prompt cache with the request's accounting (see ``KVRAGEngine.prefill``).
+
+    ``fallback`` is ``"uncached"`` when chunks of the prompt had no stored cache
+    and the engine answered by plain prefill instead (``strategy == "full"``);
+    ``deferred_chunks`` of them were queued for background encoding.
+    """
 
     output: PrefillOutput
     prompt: TokenizedPrompt
@@ -31,6 +36,8 @@ class PrefillResult:
     lazy_keys: set[str]
     fingerprint: str
     prefill_s: float
+    fallback: str | None = field(default=None)
+    deferred_chunks: int = field(default=0)
 
     @property
     def logits(self) -> torch.Tensor:
