@@ -24,12 +24,21 @@ from pydantic import Field, PrivateAttr
 
 from kvrag_integrations.engine.strategies import make_strategy
 from kvrag_integrations.llama_index._aio import iterate_in_thread
-from kvrag_integrations.llama_index.hooks import install_hooks, request_chunks
+from kvrag_integrations.llama_index.hooks import install_hooks, known_chunks
 
 # LlamaIndex roles the chat template may not know, mapped to ones it does.
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 # Per-call keyword arguments passed on to the engine (others, e.g. ``formatted``, are ignored).
-_CALL_OPTIONS = ("strategy", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_CALL_OPTIONS = (
+    "strategy",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "on_miss",
+)
 
 
 @dataclass
@@ -168,7 +177,8 @@ class KVRAGLLM(CustomLLM):
         if strategy_options is None:  # the instance's options go with the instance's strategy
             strategy_options = self.strategy_options if options["strategy"] == self.strategy else {}
         options.update(strategy_options)
-        return _Request(messages, request_chunks(), options)
+        known = known_chunks(m["content"] for m in messages)
+        return _Request(messages, known, options)
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> _Request:
         dicts = []
