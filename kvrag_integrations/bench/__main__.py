@@ -5,7 +5,8 @@ and length of chunks, with the query-only floor), ``quality`` (speed and
 fidelity to full prefill, F1 and log-likelihood against gold), ``rerank``
 (reranker throughput with and without reuse, recall@3), ``peer``
 (LlamaIndex's HuggingFaceLLM against KVRAGLLM), ``memory`` (stored bytes per
-token and store read throughput). ``all`` runs them in that order on one
+token and store read throughput), ``cold`` (a request on uncached chunks: KVRAGLLM
+against plain prefill and HuggingFaceLLM). ``all`` runs them in that order on one
 loaded model. Each writes ``<suite>.json`` (numbers + machine facts + the
 command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
 ``--quick`` shrinks every suite to a smoke run (a few items, tiny chunks).
@@ -22,7 +23,17 @@ import time
 from types import ModuleType
 from typing import Any
 
-from kvrag_integrations.bench import memory, peer, plots, quality, report, rerank, scaling, ttft
+from kvrag_integrations.bench import (
+    cold,
+    memory,
+    peer,
+    plots,
+    quality,
+    report,
+    rerank,
+    scaling,
+    ttft,
+)
 from kvrag_integrations.bench.common import (
     load_items,
     machine_info,
@@ -38,6 +49,7 @@ SUITES: dict[str, ModuleType] = {
     "rerank": rerank,
     "peer": peer,
     "memory": memory,
+    "cold": cold,
 }
 
 

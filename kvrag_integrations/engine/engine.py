@@ -320,6 +320,7 @@ class KVRAGEngine:
         chat_template: bool = True,
         max_new_tokens: int = 0,
         on_miss: str | None = None,
+        queue_misses: bool = True,
         **strategy_options: Any,
     ) -> PrefillResult:
         """Build the prompt cache and the first token's logits with ``strategy``.
@@ -328,7 +329,10 @@ class KVRAGEngine:
         ``result.logits`` across strategies. ``on_miss`` overrides the engine's
         for this call: with ``"defer"``, a prompt with uncached chunks is
         prefilled in full (``result.fallback == "uncached"``, ``strategy ==
-        "full"``) and its misses are queued for background encoding.
+        "full"``) and its misses are queued for background encoding; with
+        ``queue_misses=False`` they are queued only by ``queue_deferred(result)``
+        (``stream`` does it when decoding ends, so the worker never takes the
+        forward lock between a request's prefill and its first token).
         """
         started = time.perf_counter()
         strat = make_strategy(strategy, **strategy_options)
@@ -355,11 +359,11 @@ class KVRAGEngine:
             # reusing them costs more than one plain prefill. Answer by the
             # model's own forward; the misses are encoded off the request path.
             pre = self._run(make_strategy("full"), prompt, [], set(), started)
-            order = sorted(missing.items(), key=lambda km: km[1].is_prefix)  # chunks first
-            jobs = {k: (m.ids, m.store) for k, m in order}
             pre.fallback = "uncached"
-            queued = self.encoder.submit(jobs)
-            pre.deferred_chunks = sum(not m.is_prefix for k, m in missing.items() if k in queued)
+            # Chunks first: if the queue is nearly full, they matter more.
+            pre.misses = dict(sorted(missing.items(), key=lambda km: km[1].is_prefix))
+            if queue_misses:
+                self.queue_deferred(pre)
             return pre
         # Only the leading text missing (its cache is what a full prefill computes
         # anyway), or on_miss="encode": encode now and reuse.
@@ -379,6 +383,18 @@ class KVRAGEngine:
             output = strat.prefill(self.model, prompt, kvs)
         elapsed = time.perf_counter() - started
         return PrefillResult(output, prompt, strat.name, lazy, self.fingerprint, elapsed)
+
+    def queue_deferred(self, pre: PrefillResult) -> int:
+        """Queue a fallback's missed chunks for background encoding (once).
+
+        Returns how many chunks (the leading text not counted) are queued; also
+        set as ``pre.deferred_chunks``.
+        """
+        misses, pre.misses = pre.misses, {}
+        if misses:
+            queued = self.encoder.submit({k: (m.ids, m.store) for k, m in misses.items()})
+            pre.deferred_chunks = sum(not m.is_prefix for k, m in misses.items() if k in queued)
+        return pre.deferred_chunks
 
     def wait_for_encoding(self, timeout: float | None = None) -> bool:
         """Wait until chunks deferred by earlier requests are encoded and stored.
@@ -438,6 +454,7 @@ class KVRAGEngine:
             chat_template=chat_template,
             max_new_tokens=max_new_tokens,
             on_miss=on_miss,
+            queue_misses=False,
             **strategy_options,
         )
         out = pre.output
@@ -453,21 +470,23 @@ class KVRAGEngine:
             first_token_logits=out.logits,
             lazily_encoded_chunks=pre.lazily_encoded_chunks,
             fallback=pre.fallback,
-            deferred_chunks=pre.deferred_chunks,
         )
 
         def pieces() -> Generator[str, None, None]:
-            with self._lock:
-                yield from decode(
-                    self.model,
-                    self.tokenizer,
-                    out.kv,
-                    out.logits,
-                    params,
-                    result,
-                    started,
-                    self.eos_token_ids,
-                )
+            try:
+                with self._lock:
+                    yield from decode(
+                        self.model,
+                        self.tokenizer,
+                        out.kv,
+                        out.logits,
+                        params,
+                        result,
+                        started,
+                        self.eos_token_ids,
+                    )
+            finally:  # misses of a fallback: encoded once this request is answered
+                result.deferred_chunks = self.queue_deferred(pre)
 
         return GenerationStream(pieces(), result)
 

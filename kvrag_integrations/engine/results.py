@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class PrefillResult:
     prefill_s: float
     fallback: str | None = field(default=None)
     deferred_chunks: int = field(default=0)
+    misses: dict[str, Any] = field(default_factory=dict, repr=False)  # not queued yet
 
     @property
     def logits(self) -> torch.Tensor:
