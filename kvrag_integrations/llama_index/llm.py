@@ -59,14 +59,18 @@ class KVRAGLLM(CustomLLM):
     caches with the chosen strategy. Text a synthesizer altered is just prefilled.
     Messages keep their roles; the engine applies the model's chat template.
 
-    Each response carries the reuse stats (``reused_tokens``, ``recomputed_tokens``,
-    ``prefilled_tokens``, ``ttft_s``, ``strategy``, ...) in ``additional_kwargs`` and
-    ``raw``; ``last_stats`` / ``last_result`` / ``last_messages`` keep the latest
-    call's (per instance: under concurrency read the response instead).
+    Each response carries the reuse stats (``reused_chunk_tokens`` and
+    ``reused_prefix_tokens``, whose sum is ``reused_tokens``, ``recomputed_tokens``,
+    ``prefilled_tokens``, ``fallback``, ``ttft_s``, ``strategy``, ...) in
+    ``additional_kwargs`` and ``raw``; ``last_stats`` / ``last_result`` /
+    ``last_messages`` keep the latest call's (per instance: under concurrency
+    read the response instead).
 
     Args:
-        engine: a ``KVRAGEngine``; or leave it out and give ``model`` (plus ``device``,
-            ``dtype``) to use ``KVRAGEngine.shared``.
+        engine: a ``KVRAGEngine``; or leave it out (optionally with ``model``,
+            ``device``, ``dtype``) to use the process's shared engine for that model,
+            ``KVRAGEngine.shared``: the engine ``from_pretrained`` loaded first for
+            it, if any.
         **kwargs: the fields below (and LlamaIndex's own, e.g. ``system_prompt``).
 
     Attributes:
