@@ -415,3 +415,25 @@ def test_same_weights_loaded_twice_are_named_and_one_engine_is_shared(engine, ca
         assert "loaded twice" not in caplog.text
     finally:
         registry._SHARED.pop(key, None)
+
+
+def test_exiting_with_background_encoding_in_flight_is_clean(tmp_path) -> None:
+    """atexit closes the workers: a daemon thread killed mid-forward aborts the process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "from kvrag_integrations import KVRAGEngine\n"
+        "e = KVRAGEngine.from_pretrained()\n"
+        f"chunks = [{TOWER!r} * 8, {REEF!r} * 8]\n"
+        "r = e.generate(question='Q?', chunks=chunks, max_new_tokens=1)\n"
+        "assert r.fallback == 'uncached' and r.deferred_chunks == 2\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

@@ -10,8 +10,10 @@ batches a waiting request gets the lock.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -22,6 +24,8 @@ from kvrag_integrations.store import KVStore
 logger = logging.getLogger(__name__)
 
 Job = tuple[str, torch.Tensor, KVStore]  # (cache key, token ids, where to store it)
+
+_LIVE: weakref.WeakSet[BackgroundEncoder] = weakref.WeakSet()
 
 
 class BackgroundEncoder:
@@ -61,6 +65,8 @@ class BackgroundEncoder:
         self.encoded = 0
         self.dropped = 0
         self.failed = 0
+        self._closed = False
+        _LIVE.add(self)
 
     @property
     def pending(self) -> int:
@@ -72,6 +78,8 @@ class BackgroundEncoder:
         """Queue ``{key: (ids, store)}``; returns the keys queued (now or already)."""
         accepted: set[str] = set()
         with self._cond:
+            if self._closed:
+                return accepted
             for key, (ids, store) in jobs.items():
                 if key in self._pending:
                     accepted.add(key)
@@ -99,12 +107,29 @@ class BackgroundEncoder:
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending, timeout)
 
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Drop what is queued, let the batch in flight finish, stop the worker.
+
+        Runs at interpreter exit for every live encoder: a daemon thread killed in
+        the middle of a forward can abort the process.
+        """
+        with self._cond:
+            self._closed = True
+            for key, _, _ in self._queue:
+                self._pending.discard(key)
+            self.dropped += len(self._queue)
+            self._queue.clear()
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def _work(self) -> None:
         while True:
             with self._cond:
-                if not self._queue:
-                    self._cond.wait_for(lambda: bool(self._queue), self.idle_s)
-                if not self._queue:
+                if not self._queue and not self._closed:
+                    self._cond.wait_for(lambda: bool(self._queue) or self._closed, self.idle_s)
+                if not self._queue or self._closed:
                     self._thread = None
                     return
                 n = min(self.batch_size, len(self._queue))
@@ -120,3 +145,9 @@ class BackgroundEncoder:
                 self.encoded += done
                 self.failed += failed
                 self._cond.notify_all()
+
+
+@atexit.register
+def _close_all() -> None:
+    for encoder in list(_LIVE):
+        encoder.close()
