@@ -17,5 +17,13 @@ from kvrag_integrations import KVRAGEngine
 
 @pytest.fixture(scope="session")
 def engine() -> KVRAGEngine:
-    """The bundled SmolLM2-135M-Instruct on CPU (the process-wide shared engine)."""
-    return KVRAGEngine.shared()
+    """The bundled SmolLM2-135M-Instruct on CPU (the process-wide shared engine).
+
+    Set to encode missed chunks on the request path (``on_miss="encode"``):
+    strategy and exactness tests compare strategies on chunks they did not
+    encode first. Tests of the default (``"defer"``: plain prefill, background
+    encoding) build their own engine on ``engine.loaded``.
+    """
+    shared = KVRAGEngine.shared()
+    shared.on_miss = "encode"
+    return shared

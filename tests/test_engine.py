@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import pytest
 import torch
 
@@ -91,8 +95,8 @@ def test_turbo_reuses_chunk_tokens_and_reports_counts(engine: KVRAGEngine) -> No
 def test_prefix_caching_is_exact(engine: KVRAGEngine) -> None:
     """Caching the text before the first chunk changes nothing but the work done."""
     kw = dict(question=QUESTION, chunks=[TOWER, REEF], strategy="turbo")
-    plain = KVRAGEngine(engine.loaded, store=MemoryKVStore(), cache_prefix=False)
-    cached = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    plain = KVRAGEngine(engine.loaded, store=MemoryKVStore(), cache_prefix=False, on_miss="encode")
+    cached = KVRAGEngine(engine.loaded, store=MemoryKVStore(), on_miss="encode")
     first = cached.prefill(**kw)
     assert first.lazily_encoded_chunks == 2  # the leading text is not counted as a chunk
     again = cached.prefill(**kw)
@@ -137,7 +141,7 @@ def test_composite_positions_restart_each_chunk_at_zero(engine: KVRAGEngine) -> 
 
 
 def test_lazy_fill_counts_as_not_reused(engine: KVRAGEngine) -> None:
-    fresh = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    fresh = KVRAGEngine(engine.loaded, store=MemoryKVStore(), on_miss="encode")
     first = fresh.generate(question=QUESTION, chunks=[TOWER], max_new_tokens=2)
     assert first.lazily_encoded_chunks == 1
     assert first.reused_tokens == 0
@@ -177,7 +181,7 @@ def test_disk_store_survives_a_new_engine_and_rejects_corruption(engine, tmp_pat
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))
-    again = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path))
+    again = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path), on_miss="encode")
     result = again.generate(question=QUESTION, chunks=[TOWER], max_new_tokens=1)
     assert result.lazily_encoded_chunks == 1  # the corrupt entry was a miss
     assert again.store.stats.rejected == 1
@@ -322,8 +326,6 @@ def test_bad_messages_are_type_errors(engine: KVRAGEngine) -> None:
 
 
 def test_closing_a_stream_early_frees_the_engine(engine: KVRAGEngine) -> None:
-    import threading
-
     stream = engine.stream(question=QUESTION, chunks=[TOWER], max_new_tokens=30)
     next(stream)
     stream.close()
@@ -334,3 +336,104 @@ def test_closing_a_stream_early_frees_the_engine(engine: KVRAGEngine) -> None:
     worker.start()
     worker.join(timeout=60)
     assert done.is_set()
+
+
+# ------------------------------------------------- never slower than no reuse
+def test_cold_request_is_a_full_prefill_and_the_next_one_reuses(engine: KVRAGEngine) -> None:
+    e = KVRAGEngine(engine.loaded, store=MemoryKVStore())  # the default: on_miss="defer"
+    kw = dict(question=QUESTION, chunks=[TOWER, REEF], max_new_tokens=2)
+    cold = e.generate(strategy="turbo", **kw)
+    assert (cold.fallback, cold.strategy, cold.deferred_chunks) == ("uncached", "full", 2)
+    assert cold.reused_tokens == cold.lazily_encoded_chunks == 0
+    assert cold.prefilled_tokens == cold.prompt_tokens
+    # The first token's logits are transformers' own forward over the prompt.
+    ids = e.prefill(strategy="full", question=QUESTION, chunks=[TOWER, REEF]).prompt.input_ids
+    with torch.no_grad():
+        own = engine.model(input_ids=ids.unsqueeze(0)).logits[0, -1].float()
+    torch.testing.assert_close(cold.first_token_logits, own, atol=1e-4, rtol=0)
+
+    assert e.wait_for_encoding(timeout=120)
+    keys = [e.chunk_key(c) for c in (TOWER, REEF)]
+    assert all(e.store.contains(k) for k in keys) and e.encoder.encoded >= 2
+    warm = e.generate(strategy="turbo", **kw)
+    assert warm.fallback is None and warm.strategy == "turbo" and warm.deferred_chunks == 0
+    chunk_tokens = sum(e.tokenize([Chunk(c)]).num_tokens for c in (TOWER, REEF))
+    assert warm.reused_chunk_tokens == chunk_tokens
+    assert warm.reused_prefix_tokens > 0  # the leading text was encoded in the background too
+    assert warm.reused_tokens == warm.reused_chunk_tokens + warm.reused_prefix_tokens
+    same = e.prefill(strategy="turbo", question=QUESTION, chunks=[TOWER, REEF])
+    torch.testing.assert_close(warm.first_token_logits, same.logits, rtol=0, atol=0)
+
+
+def test_on_miss_encode_keeps_the_synchronous_fill(engine: KVRAGEngine) -> None:
+    e = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    lazy = e.generate(question=QUESTION, chunks=[REEF], max_new_tokens=1, on_miss="encode")
+    assert lazy.fallback is None and lazy.lazily_encoded_chunks == 1 and lazy.strategy == "turbo"
+    assert e.encoder.pending == 0 and e.store.contains(e.chunk_key(REEF))
+    with pytest.raises(ValueError, match="on_miss"):
+        KVRAGEngine(engine.loaded, on_miss="sometimes")
+    with pytest.raises(ValueError, match="on_miss"):
+        e.generate(question=QUESTION, chunks=[REEF], on_miss="later")
+
+
+def test_the_background_queue_is_bounded_and_never_blocks(engine: KVRAGEngine) -> None:
+    e = KVRAGEngine(engine.loaded, store=MemoryKVStore(), max_pending=1)
+    release = threading.Event()
+    encode = e.encoder._encode
+    e.encoder._encode = lambda jobs: (release.wait(60), encode(jobs))  # a slow worker
+    started = time.perf_counter()
+    cold = e.prefill(question=QUESTION, chunks=[TOWER, REEF], strategy="blend")
+    assert time.perf_counter() - started < 30  # did not wait for the worker
+    assert cold.fallback == "uncached" and cold.deferred_chunks == 1  # one queued, one dropped
+    assert e.encoder.dropped == 2  # the other chunk and the leading text
+    assert not e.wait_for_encoding(timeout=0.2)
+    release.set()
+    assert e.wait_for_encoding(timeout=120)
+    stored = [e.store.contains(e.chunk_key(c)) for c in (TOWER, REEF)]
+    assert sorted(stored) == [False, True]
+    again = e.prefill(question=QUESTION, chunks=[TOWER, REEF], strategy="blend")
+    assert again.fallback == "uncached" and again.deferred_chunks == 1  # the dropped one
+
+
+def test_same_weights_loaded_twice_are_named_and_one_engine_is_shared(engine, caplog) -> None:
+    from kvrag_integrations.engine import registry
+
+    key = registry.shared_key(None, "cpu", "float32")
+    assert key not in registry.shared_engines()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvrag_integrations.engine.engine"):
+            second = KVRAGEngine.from_pretrained(dtype="float32")
+        assert second.fingerprint == engine.fingerprint and second.model is not engine.model
+        assert "loaded twice" in caplog.text
+        assert repr(second) in caplog.text and caplog.text.count("<KVRAGEngine") == 2
+        # from_pretrained registered it: the default engine for that model is this one.
+        assert KVRAGEngine.shared(dtype="float32") is second
+        assert KVRAGEngine.shared() is engine  # the one registered first keeps its place
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvrag_integrations.engine.engine"):
+            KVRAGEngine(engine.loaded, store=MemoryKVStore())  # same weights object: fine
+        assert "loaded twice" not in caplog.text
+    finally:
+        registry._SHARED.pop(key, None)
+
+
+def test_exiting_with_background_encoding_in_flight_is_clean(tmp_path) -> None:
+    """atexit closes the workers: a daemon thread killed mid-forward aborts the process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "from kvrag_integrations import KVRAGEngine\n"
+        "e = KVRAGEngine.from_pretrained()\n"
+        f"chunks = [{TOWER!r} * 8, {REEF!r} * 8]\n"
+        "r = e.generate(question='Q?', chunks=chunks, max_new_tokens=1)\n"
+        "assert r.fallback == 'uncached' and r.deferred_chunks == 2\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

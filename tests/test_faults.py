@@ -60,7 +60,7 @@ def _disk_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, s
 def test_unwritable_store(engine, tmp_path, monkeypatch, caplog, fault) -> None:
     root, message = fault(tmp_path, monkeypatch)
     store = DiskKVStore(root)
-    eng = KVRAGEngine(engine.loaded, store=store)
+    eng = KVRAGEngine(engine.loaded, store=store, on_miss="encode")  # the lazy fill
 
     with pytest.raises(StoreWriteError, match="cannot write cache entry") as info:
         eng.encode_chunks([CHUNK], show_progress=False)  # ingestion must say so

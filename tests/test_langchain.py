@@ -147,7 +147,7 @@ def test_documents_kwarg_and_bind_mark_chunks(llm: ChatKVRAG) -> None:
     text = f"Note {uuid.uuid4().hex}: the museum opens at nine on weekdays."
     prompt = f"{text}\n\nWhen does the museum open?"
     assert llm.engine is not None and text not in llm.engine.chunk_index
-    first = llm.invoke(prompt, documents=[Document(page_content=text)])
+    first = llm.invoke(prompt, documents=[Document(page_content=text)], on_miss="encode")
     assert first.response_metadata["lazily_encoded_chunks"] == 1  # found, stored on the fly
     again = llm.bind(documents=[text]).invoke(prompt)
     n = llm.engine.encode_chunks([text], show_progress=False)[0].num_tokens

@@ -97,8 +97,8 @@ def index(engine: KVRAGEngine) -> VectorStoreIndex:
 
 @pytest.fixture()
 def disk_engine(engine: KVRAGEngine, tmp_path: Path) -> KVRAGEngine:
-    """Same weights, its own on-disk store and an empty chunk index."""
-    return KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path / "kv"))
+    """Same weights, its own on-disk store, an empty chunk index; lazy fills on the request path."""
+    return KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path / "kv"), on_miss="encode")
 
 
 def ask(index: VectorStoreIndex, llm: KVRAGLLM, question: str = QUESTION, **kw: Any) -> Any:

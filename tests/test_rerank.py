@@ -193,3 +193,31 @@ def test_top_n(engine):
     assert len(reranker.rerank(QUERY, DOCS[:3])) == 2
     assert len(reranker.rerank(QUERY, DOCS[:3], top_n=None)) == 3
     assert len(make(engine).rerank(QUERY, DOCS[:3])) == 3
+
+
+# ------------------------------------------------------- query likelihood (UPR)
+def test_query_likelihood_is_the_mean_log_prob_of_the_query(engine):
+    import torch
+
+    reranker = make(engine, scoring="query_likelihood", batch_size=4)
+    assert reranker.template.name == "upr-v1"
+    cached = reranker.score(QUERY, DOCS)
+    assert_close(cached, reranker.score(QUERY, DOCS, reuse=False))
+    lead, query = reranker.prompt.query_ids(QUERY)
+    expected = []
+    for doc in DOCS:  # transformers' own forward, one prompt at a time
+        ids = torch.cat([reranker.prefix_ids(doc), lead, query])
+        with torch.no_grad():
+            logits = engine.model(input_ids=ids[None]).logits[0].float()
+        logp = torch.log_softmax(logits[-query.numel() - 1 : -1], dim=-1)
+        expected.append(logp.gather(-1, query[:, None]).mean().item())
+    assert_close(cached, expected)
+    assert reranker.rerank(QUERY, DOCS, top_n=1)[0][0] == DOCS.index(ANSWER)
+
+
+def test_small_models_warn_and_scoring_is_checked(engine, caplog):
+    with caplog.at_level("WARNING", logger="kvrag_integrations.rerank.reranker"):
+        make(engine)
+    assert "will not improve ranking" in caplog.text and "135M" in caplog.text
+    with pytest.raises(ValueError, match="scoring"):
+        make(engine, scoring="vibes")

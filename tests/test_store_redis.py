@@ -244,7 +244,7 @@ def test_entries_and_check_read_headers_only(server: RedisServer, prefix: str, s
 # ------------------------------------------------------------------ with the engine
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
 def test_engine_recomputes_a_damaged_entry(engine: KVRAGEngine, store: RedisKVStore, damage):
-    eng = KVRAGEngine(engine.loaded, store=store)
+    eng = KVRAGEngine(engine.loaded, store=store, on_miss="encode")  # recompute on the request
     (ref,) = eng.encode_chunks([CHUNK], show_progress=False)
     rkey = store.prefix + ref.key
     good = eng.store.get(ref.key, eng.fingerprint)
@@ -263,7 +263,7 @@ def test_server_killed_mid_run_then_back(
     own = RedisServer(server.binary, tmp_path / "redis").start()  # ours to kill
     try:
         store = RedisKVStore(own.url)
-        eng = KVRAGEngine(engine.loaded, store=store)
+        eng = KVRAGEngine(engine.loaded, store=store, on_miss="encode")
         eng.encode_chunks([CHUNK], show_progress=False)
         baseline = eng.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=4)
         assert baseline.lazily_encoded_chunks == 0

@@ -5,7 +5,8 @@ and length of chunks, with the query-only floor), ``quality`` (speed and
 fidelity to full prefill, F1 and log-likelihood against gold), ``rerank``
 (reranker throughput with and without reuse, recall@3), ``peer``
 (LlamaIndex's HuggingFaceLLM against KVRAGLLM), ``memory`` (stored bytes per
-token and store read throughput). ``all`` runs them in that order on one
+token and store read throughput), ``cold`` (a request on uncached chunks: KVRAGLLM
+against plain prefill and HuggingFaceLLM). ``all`` runs them in that order on one
 loaded model. Each writes ``<suite>.json`` (numbers + machine facts + the
 command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
 ``--quick`` shrinks every suite to a smoke run (a few items, tiny chunks).
@@ -22,7 +23,17 @@ import time
 from types import ModuleType
 from typing import Any
 
-from kvrag_integrations.bench import memory, peer, plots, quality, report, rerank, scaling, ttft
+from kvrag_integrations.bench import (
+    cold,
+    memory,
+    peer,
+    plots,
+    quality,
+    report,
+    rerank,
+    scaling,
+    ttft,
+)
 from kvrag_integrations.bench.common import (
     load_items,
     machine_info,
@@ -38,6 +49,7 @@ SUITES: dict[str, ModuleType] = {
     "rerank": rerank,
     "peer": peer,
     "memory": memory,
+    "cold": cold,
 }
 
 
@@ -72,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-loglik", action="store_true", help="quality: skip the gold log-likelihood prefill"
     )
+    p.add_argument("--scoring", default=None, help="rerank: judge or query_likelihood")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 items, tiny sizes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG files")
     p.add_argument("--out", default="bench_results")
@@ -89,6 +102,7 @@ def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any
         "lengths": args.lengths,
         "max_new_tokens": args.max_new_tokens,
         "loglik": False if args.no_loglik else None,
+        "scoring": args.scoring,
     }
     if args.ratios is not None:
         given["strategies"] = [("full", {}), ("turbo", {})]

@@ -112,7 +112,7 @@ def fidelity(
     store = MemoryKVStore(max_bytes=None)
     for kv in kvs:
         store.put(kv.to("cpu", dtype))
-    cast_engine = KVRAGEngine(engine.loaded, store=store)
+    cast_engine = KVRAGEngine(engine.loaded, store=store, on_miss="encode")  # never a fallback
     kls = []
     for q in questions:
         ref = engine.prefill(question=q, chunks=chunks, strategy="turbo").logits

@@ -1,12 +1,16 @@
-"""Reranker benchmark: throughput with and without prefix reuse, and recall@3.
+"""Reranker benchmark: throughput with and without prefix reuse, and recall@1/@3.
 
 On MuSiQue (``../shared/data/musique_dev.json``), each query's candidates are its
 own 10 passages plus 10 of the next item's (distractors), trimmed to about 250
 tokens. Prefix caches are precomputed first (timed apart, as ingestion would);
 then every query is scored with reuse and without, side by side in one run.
+Recall (a passage containing a gold answer among the first k) is given for the
+candidates' listed order, for the order a retriever would give (MiniLM cosine
+similarity, the packaged embedding model) and after reranking.
 
 Examples:
     python -m kvrag_integrations.bench rerank --items 5
+    python -m kvrag_integrations.bench rerank --items 5 --scoring query_likelihood
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from typing import Any
 
 from kvrag_integrations.bench.common import RagItem, markdown_table, trim_to_tokens
+from kvrag_integrations.embeddings import embed_texts
 from kvrag_integrations.rerank.reranker import KVReranker
 from kvrag_integrations.store import MemoryKVStore
 
@@ -41,6 +46,13 @@ def _hit_at(order: list[int], gold: list[bool], k: int) -> bool:
     return any(gold[i] for i in order[:k])
 
 
+def _retriever_order(question: str, docs: list[str]) -> list[int]:
+    """Candidates by MiniLM cosine similarity to the question (a vector store's order)."""
+    query, *vectors = embed_texts([question, *docs])
+    sims = [sum(a * b for a, b in zip(query, v)) for v in vectors]
+    return sorted(range(len(docs)), key=lambda i: (-sims[i], i))
+
+
 def run(
     engine: Any,
     items: list[RagItem],
@@ -50,6 +62,7 @@ def run(
     repeats: int = 1,
     batch_size: int = 16,
     template: str | None = None,
+    scoring: str = "judge",
 ) -> dict[str, Any]:
     """Measure the reranker on MuSiQue-style items; returns the numbers.
 
@@ -60,7 +73,8 @@ def run(
         chunk_tokens: passages are trimmed to about this many tokens.
         repeats: times each query is scored per mode (all timed).
         batch_size: candidates per forward.
-        template: a rerank template preset (None: the default).
+        template: a rerank template preset (None: the scoring's default).
+        scoring: ``"judge"`` or ``"query_likelihood"`` (see ``KVReranker``).
 
     Returns:
         A dict with throughputs (candidates/s), speedup, precompute time, recall@3
@@ -70,7 +84,11 @@ def run(
     queries = load_queries(engine.tokenizer, items, n_candidates, doc_tokens)
     # An unbounded store of its own: the benchmark must not evict or be evicted.
     reranker = KVReranker(
-        engine, store=MemoryKVStore(max_bytes=None), batch_size=batch_size, template=template
+        engine,
+        store=MemoryKVStore(max_bytes=None),
+        batch_size=batch_size,
+        template=template,
+        scoring=scoring,
     )
     # Warm-up (first-call allocations, kernels) on a throwaway query, untimed.
     reranker.score("warm-up", queries[0]["docs"][:2], reuse=False)
@@ -81,6 +99,7 @@ def run(
     times = {"reuse": 0.0, "full": 0.0}
     scored, max_gap = 0, 0.0
     hits_before = hits_after = answerable = 0
+    hits = {f"{name}@{k}": 0 for name in ("listed", "retriever", "reranked") for k in (1, 3)}
     for q in queries:
         for _ in range(max(1, repeats)):
             results = {}
@@ -97,6 +116,14 @@ def run(
             order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
             hits_before += _hit_at(list(range(len(scores))), q["gold"], 3)
             hits_after += _hit_at(order, q["gold"], 3)
+            orders = {
+                "listed": list(range(len(scores))),
+                "retriever": _retriever_order(q["question"], q["docs"]),
+                "reranked": order,
+            }
+            for key in hits:
+                name, k = key.split("@")
+                hits[key] += _hit_at(orders[name], q["gold"], int(k))
     if reranker.stats.prefixes_encoded != encoded_base:
         raise RuntimeError("a timed run encoded prefixes: the reuse timing is not clean")
     n_docs = sum(len(q["docs"]) for q in queries)
@@ -107,6 +134,7 @@ def run(
         "batch_size": batch_size,
         "repeats": repeats,
         "template": reranker.template.name,
+        "scoring": reranker.scoring,
         "mean_prefix_tokens": sum(
             reranker.prefix_ids(d).numel() for q in queries for d in q["docs"]
         )
@@ -122,6 +150,7 @@ def run(
         "answerable_queries": answerable,
         "recall@3_before": hits_before / answerable if answerable else float("nan"),
         "recall@3_after": hits_after / answerable if answerable else float("nan"),
+        "recall": {k: v / answerable if answerable else float("nan") for k, v in hits.items()},
     }
 
 
@@ -130,10 +159,19 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         ["without reuse (full forward)", result["full_cands_per_s"], "", ""],
         ["with reuse (prefix caches)", result["reuse_cands_per_s"], result["speedup"], ""],
-        ["retrieval order", "", "", result["recall@3_before"]],
-        ["reranked", "", "", result["recall@3_after"]],
     ]
-    headers = ["", "candidates/s", "speedup", "recall@3"]
+    recall = result.get("recall")
+    if recall:
+        for name, label in (("listed", "listed order"), ("retriever", "retriever (MiniLM)")):
+            rows.append([label, "", "", recall[f"{name}@1"], recall[f"{name}@3"]])
+        scoring = result.get("scoring", "judge")
+        rows.append([f"reranked ({scoring})", "", "", recall["reranked@1"], recall["reranked@3"]])
+        rows[:2] = [[*r, ""] for r in rows[:2]]
+        headers = ["", "candidates/s", "speedup", "recall@1", "recall@3"]
+    else:  # results written before recall@1 was measured
+        rows.append(["retrieval order", "", "", result["recall@3_before"]])
+        rows.append(["reranked", "", "", result["recall@3_after"]])
+        headers = ["", "candidates/s", "speedup", "recall@3"]
     notes = (
         f"\n\n{result['queries']} queries x {result['candidates_per_query']} candidates "
         f"(~{result['mean_prefix_tokens']:.0f} prefix + ~{result['mean_suffix_tokens']:.0f} "

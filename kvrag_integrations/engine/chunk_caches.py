@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -125,17 +126,16 @@ class ChunkCaches:
                 bar.update(len(batch))
         return done
 
-    def for_prompt(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
-        """Stored caches of the prompt's chunks; missing ones are encoded and stored.
+    def lookup(self, prompt: TokenizedPrompt) -> tuple[dict[str, ChunkKV], dict[str, Miss]]:
+        """The prompt's stored caches by key, and its misses (nothing is encoded).
 
         A cached leading text (``piece.is_prefix``) lives in ``prefix_store``.
-        Returns the caches in chunk order, on the model's device and dtype, and
-        the keys that were encoded here (lazily).
+        Chunk texts are remembered in ``index`` whether found or not.
         """
         found: dict[str, ChunkKV] = {}
-        missing: dict[str, tuple[torch.Tensor, KVStore]] = {}
-        keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
-        for key, piece in zip(keys, prompt.chunk_pieces):
+        missing: dict[str, Miss] = {}
+        for piece in prompt.chunk_pieces:
+            key = cache_key(self.fingerprint, piece.ids)
             if key in found or key in missing:
                 continue
             store = self.prefix_store if piece.is_prefix else self.store
@@ -143,11 +143,51 @@ class ChunkCaches:
             if not piece.is_prefix:
                 self.index.add(piece.text)
             if kv is None:
-                missing[key] = (piece.ids, store)
+                missing[key] = Miss(piece.ids, store, piece.is_prefix)
             else:
                 found[key] = kv
-        for store in {id(s): s for _, s in missing.values()}.values():
-            todo = [ids for ids, s in missing.values() if s is store]
-            found.update(self.encode_and_store(todo, 8, False, store, lazy=True))
+        return found, missing
+
+    def encode_missing(self, missing: dict[str, Miss]) -> dict[str, ChunkKV]:
+        """Encode and store ``missing`` now (a lazy fill: a failed write only logs)."""
+        done: dict[str, ChunkKV] = {}
+        for store in {id(m.store): m.store for m in missing.values()}.values():
+            todo = [m.ids for m in missing.values() if m.store is store]
+            done.update(self.encode_and_store(todo, 8, False, store, lazy=True))
+        return done
+
+    def encode_jobs(self, jobs: list[tuple[torch.Tensor, KVStore]]) -> None:
+        """Encode ``[(ids, store), ...]`` not stored yet (the background worker's batch)."""
+        for store in {id(s): s for _, s in jobs}.values():
+            todo = [
+                ids
+                for ids, s in jobs
+                if s is store and not store.contains(cache_key(self.fingerprint, ids))
+            ]
+            if todo:
+                self.encode_and_store(todo, len(todo), False, store, lazy=True)
+
+    def on_device(self, prompt: TokenizedPrompt, found: dict[str, ChunkKV]) -> list[ChunkKV]:
+        """The prompt's chunk caches in chunk order, on the model's device and dtype."""
         dtype, device = self.loaded.dtype, self.loaded.device
-        return [found[k].to(device, dtype) for k in keys], set(missing)
+        keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
+        return [found[k].to(device, dtype) for k in keys]
+
+    def for_prompt(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
+        """Stored caches of the prompt's chunks; missing ones are encoded and stored.
+
+        Returns the caches in chunk order, on the model's device and dtype, and
+        the keys that were encoded here (lazily).
+        """
+        found, missing = self.lookup(prompt)
+        found.update(self.encode_missing(missing))
+        return self.on_device(prompt, found), set(missing)
+
+
+@dataclass(frozen=True)
+class Miss:
+    """A prompt chunk with no stored cache: its ids and the store it belongs in."""
+
+    ids: torch.Tensor
+    store: KVStore
+    is_prefix: bool = False

@@ -7,11 +7,13 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
 
+from kvrag_integrations.engine import registry
+from kvrag_integrations.engine.background import BackgroundEncoder
 from kvrag_integrations.engine.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.generate import (
     GenerationResult,
@@ -43,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 _ROLE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 
-_SHARED: dict[tuple[str, str, str], KVRAGEngine] = {}
-_SHARED_LOCK = threading.Lock()
+ON_MISS = ("defer", "encode")
 
 
 class KVRAGEngine:
@@ -59,10 +60,30 @@ class KVRAGEngine:
     """
 
     def __init__(
-        self, loaded: LoadedModel, store: KVStore | None = None, *, cache_prefix: bool = True
+        self,
+        loaded: LoadedModel,
+        store: KVStore | None = None,
+        *,
+        cache_prefix: bool = True,
+        on_miss: str = "defer",
+        max_pending: int = 256,
     ) -> None:
+        """Wrap a loaded model.
+
+        Args:
+            loaded: the model (``load_model``).
+            store: where chunk caches live (default: an in-memory LRU).
+            cache_prefix: cache the prompt's leading text like a chunk.
+            on_miss: what a request does when chunks of its prompt are not cached:
+                ``"defer"`` (default) answers by plain prefill, never slower than
+                no reuse, and encodes them in the background for the next request;
+                ``"encode"`` encodes them on the request path, then reuses them.
+            max_pending: the most chunks queued for background encoding (more
+                are dropped: a later request defers them again).
+        """
         self.loaded = loaded
         self.cache_prefix = cache_prefix
+        self.on_miss = _check_on_miss(on_miss)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
@@ -72,6 +93,12 @@ class KVRAGEngine:
         self.caches = ChunkCaches(
             loaded, store if store is not None else MemoryKVStore(), self._lock
         )
+        self.encoder = BackgroundEncoder(self.caches.encode_jobs, max_pending=max_pending)
+        registry.note_engine(self)
+
+    def __repr__(self) -> str:
+        store = type(self.caches.store).__name__
+        return f"<KVRAGEngine {self.loaded.name} on {self.device}, {store} at {id(self):#x}>"
 
     @classmethod
     def from_pretrained(
@@ -84,6 +111,8 @@ class KVRAGEngine:
         adapter: str | os.PathLike | None = None,
         trust_remote_code: bool = False,
         attn_implementation: str | None = None,
+        share: bool | None = None,
+        **engine_options: Any,
     ) -> KVRAGEngine:
         """Load a model (HF id, local path, ``.gguf`` file; None = bundled SmolLM2).
 
@@ -97,6 +126,13 @@ class KVRAGEngine:
             trust_remote_code: passed to transformers.
             attn_implementation: ``"sdpa"`` or ``"eager"``; None picks what the model
                 supports (reuse strategies need one of these two).
+            share: register the engine as the process's shared engine for
+                ``(model, device, dtype)`` (what ``KVRAGEngine.shared`` and adapters
+                built without an engine use): ``None`` (default) if none is
+                registered yet, ``True`` replacing any, ``False`` never. An engine
+                with an adapter is never registered by default.
+            **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending`` (see
+                ``KVRAGEngine``).
         """
         loaded = load_model(
             model,
@@ -106,7 +142,12 @@ class KVRAGEngine:
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
         )
-        return cls(loaded, store=store)
+        engine = cls(loaded, store=store, **engine_options)
+        if share or (share is None and adapter is None):
+            registry.register_shared(
+                registry.shared_key(model, device, dtype), engine, replace=bool(share)
+            )
+        return engine
 
     @classmethod
     def shared(
@@ -118,14 +159,16 @@ class KVRAGEngine:
     ) -> KVRAGEngine:
         """One engine per (model, device, dtype) in this process, loaded on first use.
 
-        Adapters built from a model name (``ChatKVRAG(model=...)``) use it so that
-        many instances share one copy of the weights and one store.
+        Adapters built without an engine (``KVRAGLLM()``, ``ChatKVRAG(model=...)``)
+        use it, so that every instance shares one copy of the weights and one
+        store. The first ``from_pretrained`` of a model registers itself here,
+        so an engine loaded for ingestion is the one a default adapter finds
+        (see ``kvrag_integrations.engine.registry``).
         """
-        ident = (str(model), str(device), str(dtype))
-        with _SHARED_LOCK:
-            if ident not in _SHARED:
-                _SHARED[ident] = cls.from_pretrained(model, device=device, dtype=dtype)
-            return _SHARED[ident]
+        key = registry.shared_key(model, device, dtype)
+        return registry.get_or_load(
+            key, lambda: cls.from_pretrained(model, device=device, dtype=dtype, share=False)
+        )
 
     # ----------------------------------------------------------------- facts
     @property
@@ -294,12 +337,20 @@ class KVRAGEngine:
         system_prompt: str | None = None,
         chat_template: bool = True,
         max_new_tokens: int = 0,
+        on_miss: str | None = None,
+        queue_misses: bool = True,
         **strategy_options: Any,
     ) -> PrefillResult:
         """Build the prompt cache and the first token's logits with ``strategy``.
 
         The lower-level half of ``generate``: benchmarks and exactness tests compare
-        ``result.logits`` across strategies.
+        ``result.logits`` across strategies. ``on_miss`` overrides the engine's
+        for this call: with ``"defer"``, a prompt with uncached chunks is
+        prefilled in full (``result.fallback == "uncached"``, ``strategy ==
+        "full"``) and its misses are queued for background encoding; with
+        ``queue_misses=False`` they are queued only by ``queue_deferred(result)``
+        (``stream`` does it when decoding ends, so the worker never takes the
+        forward lock between a request's prefill and its first token).
         """
         started = time.perf_counter()
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
@@ -317,13 +368,60 @@ class KVRAGEngine:
         if prompt.num_tokens == 0:
             raise ValueError("the prompt is empty")
         self._check_fits(prompt.num_tokens, "the prompt", max_new_tokens)
-        if strat.uses_chunk_caches and self.cache_prefix:
-            prompt = cache_leading_text(prompt)
-        kvs, lazy = self.caches.for_prompt(prompt) if strat.uses_chunk_caches else ([], set())
+        on_miss = self.on_miss if on_miss is None else _check_on_miss(on_miss)
+        if not strat.uses_chunk_caches:
+            return self._run(strat, prompt, [], set(), started)
+        cached = cache_leading_text(prompt) if self.cache_prefix else prompt
+        found, missing = self.caches.lookup(cached)
+        if on_miss == "defer" and any(not m.is_prefix for m in missing.values()):
+            # Never slower than no reuse: encoding the misses first and then
+            # reusing them costs more than one plain prefill. Answer by the
+            # model's own forward; the misses are encoded off the request path.
+            pre = self._run(make_strategy("full"), prompt, [], set(), started)
+            pre.fallback = "uncached"
+            # Chunks first: if the queue is nearly full, they matter more.
+            pre.misses = dict(sorted(missing.items(), key=lambda km: km[1].is_prefix))
+            if queue_misses:
+                self.queue_deferred(pre)
+            return pre
+        # Only the leading text missing (its cache is what a full prefill computes
+        # anyway), or on_miss="encode": encode now and reuse.
+        found.update(self.caches.encode_missing(missing))
+        kvs = self.caches.on_device(cached, found)
+        return self._run(strat, cached, kvs, set(missing), started)
+
+    def _run(
+        self,
+        strat: Strategy,
+        prompt: TokenizedPrompt,
+        kvs: list[Any],
+        lazy: set[str],
+        started: float,
+    ) -> PrefillResult:
         with self._lock:
             output = strat.prefill(self.loaded, prompt, kvs)
         elapsed = time.perf_counter() - started
         return PrefillResult(output, prompt, strat.name, lazy, self.fingerprint, elapsed)
+
+    def queue_deferred(self, pre: PrefillResult) -> int:
+        """Queue a fallback's missed chunks for background encoding (once).
+
+        Returns how many chunks (the leading text not counted) are queued; also
+        set as ``pre.deferred_chunks``.
+        """
+        misses, pre.misses = pre.misses, {}
+        if misses:
+            queued = self.encoder.submit({k: (m.ids, m.store) for k, m in misses.items()})
+            pre.deferred_chunks = sum(not m.is_prefix for k, m in misses.items() if k in queued)
+        return pre.deferred_chunks
+
+    def wait_for_encoding(self, timeout: float | None = None) -> bool:
+        """Wait until chunks deferred by earlier requests are encoded and stored.
+
+        Returns False if ``timeout`` (seconds) ran out first. Tests and
+        benchmarks call it to make "the next request reuses them" deterministic.
+        """
+        return self.encoder.wait(timeout)
 
     # ------------------------------------------------------------- generate
     def stream(
@@ -345,6 +443,7 @@ class KVRAGEngine:
         seed: int | None = None,
         stop: Sequence[str] | str | None = (),
         stop_token_ids: Sequence[int] | None = (),
+        on_miss: str | None = None,
         **strategy_options: Any,
     ) -> GenerationStream:
         """Like ``generate`` but returns an iterator of text pieces as they decode.
@@ -375,6 +474,8 @@ class KVRAGEngine:
             system_prompt=system_prompt,
             chat_template=chat_template,
             max_new_tokens=max_new_tokens,
+            on_miss=on_miss,
+            queue_misses=False,
             **strategy_options,
         )
         out = pre.output
@@ -386,24 +487,31 @@ class KVRAGEngine:
             recomputed_tokens=recomputed,
             prefilled_tokens=prefilled,
             reused_prefix_tokens=pre.reused_prefix_tokens,
+            reused_chunk_tokens=reused - pre.reused_prefix_tokens,
             first_token_logits=out.logits,
             lazily_encoded_chunks=pre.lazily_encoded_chunks,
+            fallback=pre.fallback,
         )
 
-        # The engine's lock is taken per forward inside decode, never across a
-        # yield: a stream its consumer stopped reading blocks no other request.
-        pieces = decode(
-            self.model,
-            self.tokenizer,
-            out.kv,
-            out.logits,
-            params,
-            result,
-            started,
-            self.eos_token_ids,
-            lock=self._lock,
-        )
-        return GenerationStream(pieces, result)
+        def pieces() -> Generator[str, None, None]:
+            # The engine's lock is taken per forward inside decode, never across a
+            # yield: a stream its consumer stopped reading blocks no other request.
+            try:
+                yield from decode(
+                    self.model,
+                    self.tokenizer,
+                    out.kv,
+                    out.logits,
+                    params,
+                    result,
+                    started,
+                    self.eos_token_ids,
+                    lock=self._lock,
+                )
+            finally:  # misses of a fallback: encoded once this request is answered
+                result.deferred_chunks = self.queue_deferred(pre)
+
+        return GenerationStream(pieces(), result)
 
     def generate(
         self,
@@ -420,7 +528,7 @@ class KVRAGEngine:
                 question/chunks, ``strategy`` ("full", "turbo", "blend"),
                 ``system_prompt``, ``chat_template``, ``max_new_tokens``,
                 ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
-                ``stop``, ``stop_token_ids`` and strategy options (e.g.
+                ``stop``, ``stop_token_ids``, ``on_miss`` and strategy options (e.g.
                 ``positions="composite"`` for turbo).
 
         Returns:
@@ -433,3 +541,9 @@ class KVRAGEngine:
 
 
 __all__ = ["Chunk", "ChunkRef", "GenerationStream", "KVRAGEngine", "PrefillResult", "Text"]
+
+
+def _check_on_miss(on_miss: str) -> str:
+    if on_miss not in ON_MISS:
+        raise ValueError(f"on_miss must be one of {ON_MISS}, got {on_miss!r}")
+    return on_miss

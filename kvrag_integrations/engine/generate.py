@@ -140,8 +140,9 @@ class GenerationResult:
     Attributes:
         text: the generated text (stop string excluded).
         ttft_s: seconds from the request to the first token's logits.
-        reused_tokens: prompt tokens whose stored K/V were used as is (chunk tokens
-            and the cached leading text).
+        reused_tokens: prompt tokens whose stored K/V were used as is: chunk tokens
+            plus the cached leading text (``reused_chunk_tokens +
+            reused_prefix_tokens``).
         recomputed_tokens: cached tokens computed again (CacheBlend).
         prefilled_tokens: prompt tokens computed from scratch.
         generated_tokens: tokens decoded.
@@ -152,6 +153,11 @@ class GenerationResult:
         token_ids: the generated ids.
         reused_prefix_tokens: the part of ``reused_tokens`` that is the prompt's
             cached leading text (system prompt, template header, instruction).
+        reused_chunk_tokens: the part of ``reused_tokens`` that is retrieved chunks.
+        lazily_encoded_chunks: chunks encoded on the request path (``on_miss="encode"``).
+        fallback: ``"uncached"`` when the prompt's chunks were not cached and it
+            was answered by plain prefill (``on_miss="defer"``), else None.
+        deferred_chunks: chunks queued for background encoding by this request.
         first_token_logits: float32 logits of the first generated token.
     """
 
@@ -169,6 +175,9 @@ class GenerationResult:
     first_token_logits: torch.Tensor | None = field(default=None, repr=False)
     lazily_encoded_chunks: int = 0
     reused_prefix_tokens: int = 0
+    reused_chunk_tokens: int = 0
+    fallback: str | None = None
+    deferred_chunks: int = 0
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -184,6 +193,9 @@ class GenerationResult:
             "generated_tokens": self.generated_tokens,
             "lazily_encoded_chunks": self.lazily_encoded_chunks,
             "reused_prefix_tokens": self.reused_prefix_tokens,
+            "reused_chunk_tokens": self.reused_chunk_tokens,
+            "fallback": self.fallback,
+            "deferred_chunks": self.deferred_chunks,
             "finish_reason": self.finish_reason,
         }
 

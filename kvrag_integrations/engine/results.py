@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,7 +24,12 @@ class ChunkRef:
 
 @dataclass
 class PrefillResult:
-    """A built prompt cache with the request's accounting (see ``KVRAGEngine.prefill``)."""
+    """A built prompt cache with the request's accounting (see ``KVRAGEngine.prefill``).
+
+    ``fallback`` is ``"uncached"`` when chunks of the prompt had no stored cache
+    and the engine answered by plain prefill instead (``strategy == "full"``);
+    ``deferred_chunks`` of them were queued for background encoding.
+    """
 
     output: PrefillOutput
     prompt: TokenizedPrompt
@@ -31,6 +37,9 @@ class PrefillResult:
     lazy_keys: set[str]
     fingerprint: str
     prefill_s: float
+    fallback: str | None = field(default=None)
+    deferred_chunks: int = field(default=0)
+    misses: dict[str, Any] = field(default_factory=dict, repr=False)  # not queued yet
 
     @property
     def logits(self) -> torch.Tensor:

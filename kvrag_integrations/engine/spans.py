@@ -63,6 +63,17 @@ class ChunkIndex:
                 if not bucket:
                     self._by_anchor.pop(old[:_ANCHOR], None)
 
+    def find(self, text: str) -> list[str]:
+        """This index's chunks that occur verbatim in ``text``, in order, each once.
+
+        Examples:
+            >>> index = ChunkIndex()
+            >>> index.add("Paris is the capital of France.")
+            >>> index.find("Context: Paris is the capital of France. Q?")
+            ['Paris is the capital of France.']
+        """
+        return list(dict.fromkeys(chunk for _, chunk in sorted(self._matches(text, ()))))
+
     def split(self, text: str, extra: Iterable[str] = ()) -> list[Segment]:
         """Split ``text`` into segments at this index's chunks and at ``extra`` chunks."""
         return split_at_chunks(text, self._matches(text, extra))

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 from kvrag_integrations.engine.kv import CACHE_KEY_FIELD
 from kvrag_integrations.llama_index.embedding import MiniLMEmbedding
-from kvrag_integrations.llama_index.hooks import install_hooks, note_nodes, request_chunks
+from kvrag_integrations.llama_index.hooks import (
+    install_hooks,
+    known_chunks,
+    note_nodes,
+    recent_chunks,
+    request_chunks,
+)
 from kvrag_integrations.llama_index.llm import KVRAGLLM
 from kvrag_integrations.llama_index.postprocessor import KVRerankPostprocessor
 from kvrag_integrations.llama_index.retriever import KVRAGRetriever
@@ -29,6 +35,8 @@ __all__ = [
     "KVRerankPostprocessor",
     "MiniLMEmbedding",
     "install_hooks",
+    "known_chunks",
     "note_nodes",
+    "recent_chunks",
     "request_chunks",
 ]

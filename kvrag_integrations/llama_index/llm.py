@@ -28,12 +28,21 @@ from kvrag_integrations.engine.generate import sampling_params
 from kvrag_integrations.engine.strategies import make_strategy
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.llama_index._aio import iterate_in_thread
-from kvrag_integrations.llama_index.hooks import install_hooks, request_chunks
+from kvrag_integrations.llama_index.hooks import install_hooks, known_chunks
 
 # LlamaIndex roles the chat template may not know, mapped to ones it does.
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 # Per-call keyword arguments passed on to the engine (others, e.g. ``formatted``, are ignored).
-_CALL_OPTIONS = ("strategy", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_CALL_OPTIONS = (
+    "strategy",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "on_miss",
+)
 
 
 @dataclass
@@ -54,14 +63,18 @@ class KVRAGLLM(CustomLLM):
     caches with the chosen strategy. Text a synthesizer altered is just prefilled.
     Messages keep their roles; the engine applies the model's chat template.
 
-    Each response carries the reuse stats (``reused_tokens``, ``recomputed_tokens``,
-    ``prefilled_tokens``, ``ttft_s``, ``strategy``, ...) in ``additional_kwargs`` and
-    ``raw``; ``last_stats`` / ``last_result`` / ``last_messages`` keep the latest
-    call's (per instance: under concurrency read the response instead).
+    Each response carries the reuse stats (``reused_chunk_tokens`` and
+    ``reused_prefix_tokens``, whose sum is ``reused_tokens``, ``recomputed_tokens``,
+    ``prefilled_tokens``, ``fallback``, ``ttft_s``, ``strategy``, ...) in
+    ``additional_kwargs`` and ``raw``; ``last_stats`` / ``last_result`` /
+    ``last_messages`` keep the latest call's (per instance: under concurrency
+    read the response instead).
 
     Args:
-        engine: a ``KVRAGEngine``; or leave it out and give ``model`` (plus ``device``,
-            ``dtype``) to use ``KVRAGEngine.shared``.
+        engine: a ``KVRAGEngine``; or leave it out (optionally with ``model``,
+            ``device``, ``dtype``) to use the process's shared engine for that model,
+            ``KVRAGEngine.shared``: the engine ``from_pretrained`` loaded first for
+            it, if any.
         **kwargs: the fields below (and LlamaIndex's own, e.g. ``system_prompt``).
 
     Attributes:
@@ -160,7 +173,8 @@ class KVRAGLLM(CustomLLM):
     ) -> _Request:
         if system and self.system_prompt:
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return _Request(messages, request_chunks(), self._options(kwargs))
+        known = known_chunks(m["content"] for m in messages)
+        return _Request(messages, known, self._options(kwargs))
 
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The engine options of one call: the instance's, overridden by the call's."""

@@ -16,8 +16,10 @@ dispatcher = get_dispatcher(__name__)
 class KVRerankPostprocessor(BaseNodePostprocessor):
     """Reorders nodes by ``KVReranker`` relevance and keeps the best ``top_n``.
 
-    Each node's score becomes the reranker's ``log P(yes) - log P(no)``. Document
-    caches are reused across queries (the reranker stores them).
+    Each node's score becomes the reranker's: ``log P(yes) - log P(no)`` with the
+    default ``scoring="judge"``, the query's mean token log-probability with
+    ``scoring="query_likelihood"``. Document caches are reused across queries
+    (the reranker stores them).
 
     Args:
         reranker: a ``kvrag_integrations.rerank.KVReranker``.

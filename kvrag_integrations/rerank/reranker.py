@@ -1,7 +1,11 @@
 """A decoder-only reranker that reuses each document's KV cache (HyperRAG).
 
-Relevance is ``log P("yes") - log P("no")`` for the token after a judging prompt
-laid out ``[instruction][document][query + "Answer Yes or No"]``. The instruction
+Two scorings, both with the document first. ``scoring="judge"`` (the default):
+relevance is ``log P("yes") - log P("no")`` for the token after a judging prompt
+laid out ``[instruction][document][query + "Answer Yes or No"]``.
+``scoring="query_likelihood"`` (UPR, arXiv 2204.07496): relevance is the mean
+``log P(query token | document, earlier query tokens)`` after
+``[instruction][document]["Please write a question ..."]``. The instruction
 and the document come first, so their KV cache is an exact prefix of every prompt
 that judges this document: it is encoded once (positions ``0..P-1``), stored, and
 for each query only the suffix (``P..P+S-1``) runs through the model. Scores with
@@ -17,6 +21,7 @@ RoPE positions.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -28,10 +33,21 @@ import torch
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.kv import ChunkKV, cache_key
 from kvrag_integrations.errors import UnsupportedModelError
-from kvrag_integrations.rerank.templates import RerankTemplate, TokenizedTemplate, get_template
+from kvrag_integrations.rerank.templates import (
+    UPR_TEMPLATE,
+    RerankTemplate,
+    TokenizedTemplate,
+    get_template,
+)
 from kvrag_integrations.store import KVStore
 
+logger = logging.getLogger(__name__)
+
 _KEEP = object()  # "use the reranker's own top_n"
+SCORINGS = ("judge", "query_likelihood")
+# Below this size a decoder ranked worse than the retriever it reranked in our
+# evaluation (SmolLM2-135M-Instruct: issue 18; docs/llama_index.md).
+SMALL_MODEL_PARAMS = 300_000_000
 
 
 @dataclass
@@ -64,6 +80,9 @@ class KVReranker:
         store: where prefix caches live (default: ``engine.store``). Their keys
             live in their own space, so sharing the engine's store is safe.
         batch_size: candidates per forward.
+        scoring: ``"judge"`` (``log P(yes) - log P(no)``) or ``"query_likelihood"``
+            (UPR: mean ``log P(query | document)``; its default template is
+            ``"upr"``).
 
     Examples:
         >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
@@ -81,16 +100,31 @@ class KVReranker:
         template: str | RerankTemplate | None = None,
         store: KVStore | None = None,
         batch_size: int = 16,
+        scoring: str = "judge",
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
         self.engine = engine
+        self.scoring = scoring
         self.top_n = _check_top_n(top_n)
+        if template is None and scoring == "query_likelihood":
+            template = UPR_TEMPLATE
         self.template = get_template(template)
         self.store: KVStore = store if store is not None else engine.store
         self.batch_size = batch_size
         self.stats = RerankStats()
         self.prompt = TokenizedTemplate(self.template, engine.tokenizer)
+        n_params = sum(p.numel() for p in engine.model.parameters())
+        if n_params < SMALL_MODEL_PARAMS:
+            logger.warning(
+                "reranking with %s (%dM parameters) will not improve ranking: in our "
+                "evaluation a model this small ranked worse than the retriever's own "
+                "order. Use a larger instruct model for reranking.",
+                getattr(engine, "model_name", "this model"),
+                n_params // 1_000_000,
+            )
 
     @classmethod
     def from_pretrained(
@@ -103,6 +137,7 @@ class KVReranker:
         top_n: int | None = None,
         template: str | RerankTemplate | None = None,
         batch_size: int = 16,
+        scoring: str = "judge",
     ) -> KVReranker:
         """Load a model for reranking (None: the bundled SmolLM2-135M-Instruct).
 
@@ -112,7 +147,7 @@ class KVReranker:
         from kvrag_integrations.engine.engine import KVRAGEngine
 
         engine = KVRAGEngine.from_pretrained(model, device=device, dtype=dtype, store=store)
-        return cls(engine, top_n=top_n, template=template, batch_size=batch_size)
+        return cls(engine, top_n=top_n, template=template, batch_size=batch_size, scoring=scoring)
 
     # ------------------------------------------------------------------ keys
     @property
@@ -149,7 +184,8 @@ class KVReranker:
         return self.stats.prefixes_encoded - before
 
     def score(self, query: str, documents: Sequence[str], *, reuse: bool = True) -> list[float]:
-        """Relevance scores ``log P(yes) - log P(no)``, in input order.
+        """Relevance scores, in input order: ``log P(yes) - log P(no)`` (judge) or
+        the query's mean token log-probability (query likelihood).
 
         Args:
             query: the question.
@@ -184,10 +220,15 @@ class KVReranker:
         if not where:
             return scores
         prefixes = [self.prefix_ids(d) for d in where]
-        suffix = self.suffix_ids(query)
+        n_query = 0
+        if self.scoring == "query_likelihood":
+            lead, query_ids = self.prompt.query_ids(query)
+            suffix, n_query = torch.cat([lead, query_ids]), query_ids.numel()
+        else:
+            suffix = self.suffix_ids(query)
         self._check_fits(max(p.numel() for p in prefixes) + suffix.numel())
         kvs = self._prefix_caches(prefixes) if reuse else None
-        values = self._score_batches(prefixes, suffix, kvs)
+        values = self._score_batches(prefixes, suffix, kvs, n_query)
         self.stats.scored += len(values)
         for indices, value in zip(where.values(), values, strict=True):
             for i in indices:
@@ -268,7 +309,11 @@ class KVReranker:
         return [found[k].to(device, dtype) for k in keys]
 
     def _score_batches(
-        self, prefixes: list[torch.Tensor], suffix: torch.Tensor, kvs: list[ChunkKV] | None
+        self,
+        prefixes: list[torch.Tensor],
+        suffix: torch.Tensor,
+        kvs: list[ChunkKV] | None,
+        n_query: int = 0,
     ) -> list[float]:
         """Scores, in order: with ``kvs`` only the suffix is computed over each cached
         prefix; without, a plain forward of ``prefix + suffix`` ids (the reference)."""
@@ -282,7 +327,8 @@ class KVReranker:
             else:
                 ids, batch = [suffix] * len(rows), [kvs[i] for i in rows]
                 lens = [kv.num_tokens for kv in batch]
-            for i, value in zip(rows, self._forward(ids, lens, batch), strict=True):
+            values = self._forward(ids, lens, batch, n_query)
+            for i, value in zip(rows, values, strict=True):
                 out[i] = value
         return out
 
@@ -292,11 +338,14 @@ class KVReranker:
         ids: list[torch.Tensor],
         prefix_lens: list[int] | None,
         kvs: list[ChunkKV] | None,
+        n_query: int = 0,
     ) -> list[float]:
         """One batched forward; returns each row's score at its last token.
 
         Row ``r`` has ``prefix_lens[r]`` cached tokens (from ``kvs``) at positions
         ``0..P_r-1`` and computes ``ids[r]`` at positions ``P_r..`` (no cache: ``P_r = 0``).
+        With ``n_query``, the last ``n_query`` ids of every row are the query and
+        the score is their mean log-probability (query likelihood).
         """
         prefix_lens = prefix_lens or [0] * len(ids)
         lm = self.engine.model
@@ -339,9 +388,15 @@ class KVReranker:
                 attention_mask=mask,
                 past_key_values=cache,
                 use_cache=cache is not None,
-                logits_to_keep=1,
+                logits_to_keep=n_query + 1 if n_query else 1,
             )
         self.stats.forward_s += time.perf_counter() - started
+        if n_query:
+            # Columns -n_query-1 .. -2 predict the query's tokens (the last ones).
+            logp = torch.log_softmax(out.logits[:, :n_query].float(), dim=-1)
+            target = input_ids[:, -n_query:].to(logp.device)
+            picked = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            return picked.mean(dim=-1).cpu().tolist()
         logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
         yes = torch.logsumexp(logp[:, self.prompt.yes_ids], dim=-1)
         no = torch.logsumexp(logp[:, self.prompt.no_ids], dim=-1)

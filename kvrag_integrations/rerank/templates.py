@@ -157,10 +157,21 @@ BGE_GEMMA_TEMPLATE = RerankTemplate(
     ),
 )
 
+# Query likelihood (UPR, arXiv 2204.07496): the score is the mean log-probability
+# of the query's tokens written after the document, so the query is the last slot
+# and nothing follows it. Plain text: the query continues the prompt directly.
+UPR_TEMPLATE = RerankTemplate(
+    name="upr-v1",
+    prefix="Passage:\n",
+    middle="\n\nPlease write a question based on this passage.\nQuestion:",
+    suffix="",
+)
+
 TEMPLATES: dict[str, RerankTemplate] = {
     "default": DEFAULT_TEMPLATE,
     "qwen3-reranker": QWEN3_RERANKER_TEMPLATE,
     "bge-gemma": BGE_GEMMA_TEMPLATE,
+    "upr": UPR_TEMPLATE,
 }
 
 
@@ -251,3 +262,13 @@ class TokenizedTemplate:
             Text(self.after_query, markup=True),
         ]
         return tokenize_texts(self.tokenizer, texts)
+
+    def query_ids(self, query: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(text after the document, the query)`` ids, for query-likelihood scoring.
+
+        The query is tokenized alone (after a space, as in running text), so its
+        tokens are exactly the ones whose log-probabilities are summed; the
+        template's text is markup, the query literal.
+        """
+        lead = tokenize_text(self.tokenizer, self.before_query, markup=True)
+        return lead, tokenize_text(self.tokenizer, " " + query.strip())
