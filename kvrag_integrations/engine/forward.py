@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import Cache
+from transformers import Cache, DynamicCache
 
 from kvrag_integrations.engine.layout import ModelLayout
 
@@ -70,35 +70,19 @@ class StopForward(Exception):
 OnUpdate = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
-class PromptCache(Cache):
-    """A transformers cache over a :class:`PromptKV` buffer, for one forward.
-
-    The forward computes the tokens at sequence indices ``rows``; each layer's
-    ``update()`` writes their K/V there and returns the buffer up to the last
-    computed row (nothing later is visible to any of them).
-    """
+class _BufferWriter:
+    """Writes each layer's fresh K/V of the computed rows into the prompt buffer."""
 
     def __init__(
-        self,
-        kv: PromptKV,
-        rows: torch.Tensor,
-        on_update: OnUpdate | None = None,
-        stop_after: int | None = None,
-    ):
-        super().__init__(layers=[])
+        self, kv: PromptKV, rows: torch.Tensor, on_update: OnUpdate | None, stop_after: int | None
+    ) -> None:
         self.kv = kv
         self.rows = rows
         self.end = int(rows.max()) + 1
         self.on_update = on_update
         self.stop_after = stop_after
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
         keys, values = self.kv.keys[layer_idx], self.kv.values[layer_idx]
         fresh_k, fresh_v = key_states[0], value_states[0]
         write = None
@@ -112,6 +96,30 @@ class PromptCache(Cache):
             values[:, self.rows[write]] = fresh_v[:, write]
         if layer_idx == self.stop_after:
             raise StopForward
+
+
+class PromptCache(Cache):
+    """A transformers cache over a :class:`PromptKV` buffer, for one forward.
+
+    The forward computes the tokens at sequence indices ``rows``; each layer's
+    ``update()`` writes their K/V there and returns the buffer up to the last
+    computed row (nothing later is visible to any of them).
+    """
+
+    def __init__(self, writer: _BufferWriter) -> None:
+        super().__init__(layers=[])
+        self.writer = writer
+        self.end = writer.end
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.writer.write(key_states, value_states, layer_idx)
+        keys, values = self.writer.kv.keys[layer_idx], self.writer.kv.values[layer_idx]
         return keys[None, :, : self.end], values[None, :, : self.end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -120,6 +128,27 @@ class PromptCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+class _WholePrefixCache(DynamicCache):
+    """For rows ``0..n-1``, every token from the first: nothing cached is visible,
+    so this is the model's own prefill (its masks, its fused causal kernel) on a
+    config-less ``DynamicCache`` (every token kept on sliding layers too), with
+    each layer's K/V also written to the prompt buffer."""
+
+    def __init__(self, writer: _BufferWriter) -> None:
+        super().__init__()
+        self.writer = writer
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.writer.write(key_states, value_states, layer_idx)
+        return super().update(key_states, value_states, layer_idx, cache_kwargs)
 
 
 def visible(rows: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
@@ -181,9 +210,10 @@ def run_tokens(
     device = kv.keys.device
     rows = rows.to(device)
     # A row depends only on earlier rows, so a large scattered set can run as
-    # blocks in sequence order, each over keys up to its own last row: about a
-    # third less masked-out attention than one rectangle. A plug-in that
-    # selects across all rows (blend's check layer) needs them in one pass.
+    # blocks in sequence order, each over keys up to its own last row: less
+    # masked-out attention than one rectangle. Two blocks: more would cost more
+    # in smaller matmuls than they save (blend@0.15, 3k tokens, CPU). A plug-in
+    # that selects across all rows (blend's check layer) needs them in one pass.
     blocks = _BLOCKS if on_update is None and rows.numel() >= _BLOCK_MIN_ROWS else 1
     logits = None
     for part in rows.tensor_split(blocks):
@@ -192,7 +222,7 @@ def run_tokens(
     return logits
 
 
-_BLOCKS = 4
+_BLOCKS = 2
 _BLOCK_MIN_ROWS = 128
 
 
@@ -204,13 +234,17 @@ def _forward(
     on_update: OnUpdate | None,
     stop_after: int | None,
 ) -> torch.Tensor | None:
-    cache = PromptCache(kv, rows, on_update, stop_after)
-    masks = additive_masks(layout, rows, cache.end, kv.keys.dtype)
+    writer = _BufferWriter(kv, rows, on_update, stop_after)
+    if writer.end == rows.numel():  # rows are 0..n-1: a plain prefill
+        cache, mask = _WholePrefixCache(writer), None
+    else:
+        cache = PromptCache(writer)
+        mask = model_mask(layout, additive_masks(layout, rows, writer.end, kv.keys.dtype))
     try:
         out = lm(
             input_ids=kv.input_ids.to(rows.device)[rows][None],
             position_ids=kv.positions.to(rows.device)[rows][None],
-            attention_mask=model_mask(layout, masks),
+            attention_mask=mask,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
