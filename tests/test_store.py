@@ -147,7 +147,9 @@ def _resave(kv: ChunkKV, drop: str | None, **metadata: str) -> bytes:
     """Re-save an entry with a tensor dropped and/or metadata fields replaced."""
     tensors = safetensors.torch.load(encode_entry(kv))
     meta = {"format": FORMAT_VERSION, "fingerprint": kv.fingerprint, "key": kv.key}
-    meta["checksum"] = _checksum(tensors["token_ids"], tensors["keys"], tensors["values"])
+    meta.update({k: v for k, v in metadata.items() if k != "checksum"})
+    # a valid code over the edited metadata: the checks after it must catch the edit
+    meta["integrity"], meta["checksum"] = _checksum(meta, tensors, None)
     meta.update(metadata)
     tensors.pop(drop, None)
     return safetensors.torch.save(tensors, metadata=meta)
@@ -159,7 +161,8 @@ def _resave(kv: ChunkKV, drop: str | None, **metadata: str) -> bytes:
         (None, {"format": "kvrag-chunk-v0"}, "format"),
         (None, {"key": "0" * 64}, "key does not match"),
         (None, {"fingerprint": "other"}, "key does not match"),
-        (None, {"checksum": "0" * 64}, "checksum"),
+        (None, {"checksum": "0" * 32}, "integrity check"),
+        (None, {"integrity": "hmac-sha256"}, "expects 'xxh3-128'"),
         ("values", {}, "expected"),
     ],
 )

@@ -61,6 +61,7 @@ def run_stats(args: argparse.Namespace) -> int:
     print(f"oldest {_stamp(summary.oldest)}  newest {_stamp(summary.newest)}")
     for fingerprint, count in summary.by_fingerprint.items():
         print(f"fingerprint {fingerprint or '(unreadable)'}: {count}")
+    print(f"temp files {summary.temp_files} ({human_bytes(summary.temp_bytes)})")
     return 0
 
 
@@ -73,6 +74,9 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"corrupt {key}: {reason}{' (deleted)' if args.delete else ''}")
     print(f"verified {total} entries: {total - len(bad)} ok, {len(bad)} corrupt", end="")
     print(f", {len(bad)} deleted" if args.delete else "")
+    removed = store.remove_stale_temp_files()
+    if removed:
+        print(f"removed {removed} temp files of killed writers")
     return 1 if bad and not args.delete else 0
 
 

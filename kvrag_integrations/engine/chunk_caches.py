@@ -80,7 +80,9 @@ class ChunkCaches:
         keys = [cache_key(self.fingerprint, i) for i in ids]
         todo = {}
         for key, tok in zip(keys, ids):
-            if key not in todo and (overwrite or not self.store.contains(key)):
+            # A verified read, not just existence: a truncated or tampered entry is
+            # dropped by get() and encoded again here.
+            if key not in todo and (overwrite or self.store.get(key, self.fingerprint) is None):
                 todo[key] = tok
         self.encode_and_store(list(todo.values()), batch_size, show_progress)
         return [ChunkRef(k, len(i)) for k, i in zip(keys, ids)]
@@ -142,11 +144,22 @@ class ChunkCaches:
             kv = store.get(key, self.fingerprint)
             if not piece.is_prefix:
                 self.index.add(piece.text)
+            if kv is not None and not self.fits_layout(kv):
+                logger.warning("cache entry %s has the wrong shape for this model", key[:16])
+                store.delete(key)
+                kv = None
             if kv is None:
                 missing[key] = Miss(piece.ids, store, piece.is_prefix)
             else:
                 found[key] = kv
         return found, missing
+
+    def fits_layout(self, kv: ChunkKV) -> bool:
+        """Whether an entry's K/V have this model's shape (layers, KV heads, head size):
+        checked before any stored tensor reaches the model, whatever the store says."""
+        layout = self.loaded.layout
+        layers, heads, _, head_dim = kv.keys.shape
+        return (layers, heads, head_dim) == (layout.num_layers, layout.kv_heads, layout.head_dim)
 
     def encode_missing(self, missing: dict[str, Miss]) -> dict[str, ChunkKV]:
         """Encode and store ``missing`` now (a lazy fill: a failed write only logs)."""

@@ -95,6 +95,14 @@ class KVStore(ABC):
         """Remove the entry under ``key`` if present."""
         self._delete(key)
 
+    def temp_files(self) -> list:
+        """Partial writes this store can see (disk: temp files); none for most stores."""
+        return []
+
+    def remove_stale_temp_files(self) -> int:
+        """Delete partial writes of killed writers; return how many (none for most stores)."""
+        return 0
+
     def check(self, key: str) -> str | None:
         """Decode the entry under ``key`` and say why it is unusable, if it is.
 

@@ -1,53 +1,93 @@
-"""Byte format of one stored ``ChunkKV``: safetensors plus a checksum, never pickle.
+"""Byte format of one stored ``ChunkKV``: safetensors plus an integrity code, never pickle.
 
 An entry is a safetensors blob with three tensors (``token_ids``, ``keys``,
 ``values``) and string metadata: ``format`` (:data:`FORMAT_VERSION`),
-``fingerprint``, ``key`` (the entry's ``cache_key``) and ``checksum`` (sha256 over
-the raw tensor bytes). safetensors itself does not detect flipped payload bytes,
-hence the checksum.
+``fingerprint``, ``key`` (the entry's ``cache_key``), ``integrity`` (the code's
+algorithm) and ``checksum``. The code covers everything the decoder trusts:
+the format, fingerprint and key, each tensor's name, dtype and shape as the
+header states them, and the payload bytes. So a header edit that keeps the
+bytes (a dtype or shape rewritten) fails it, not only a flipped payload byte.
+
+The code is xxh3-128 (fast: ~20 GB/s, against accidents) or, when the store
+has a secret, HMAC-SHA256 keyed with it (against anyone who can write to the
+store but does not hold the secret). An entry made one way is refused by a
+store configured the other way.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
 import struct
 
 import safetensors.torch
 import torch
+import xxhash
 
 from kvrag_integrations.engine.kv import ChunkKV, cache_key
 from kvrag_integrations.errors import CacheEntryError
 
-FORMAT_VERSION = "kvrag-chunk-v1"
+FORMAT_VERSION = "kvrag-chunk-v2"
+
+# The environment variable a store reads its secret from when none is given.
+SECRET_ENV = "KVRAG_STORE_SECRET"
 
 _TENSOR_NAMES = ("token_ids", "keys", "values")
 _METADATA_NAMES = ("format", "fingerprint", "key", "checksum")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """Return the raw bytes of a CPU tensor, in memory order.
+def store_secret(secret: str | bytes | None = None) -> bytes | None:
+    """The secret a store signs entries with: ``secret``, else ``$KVRAG_STORE_SECRET``,
+    else None."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+    if secret is None:
+        return None
+    key = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
+    if not key:
+        raise ValueError("a store secret must not be empty")
+    return key
 
-    numpy has no bfloat16, so bfloat16 is reinterpreted as int16 (same bits).
-    """
-    tensor = tensor.detach().cpu().contiguous()
-    if tensor.dtype == torch.bfloat16:
+
+def _payload(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, in memory order, without a copy."""
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: same bits as int16
         tensor = tensor.view(torch.int16)
-    return tensor.numpy().tobytes()
+    return memoryview(tensor.numpy()).cast("B")
 
 
-def _checksum(token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> str:
-    digest = hashlib.sha256()
-    for tensor in (token_ids, keys, values):
-        digest.update(_tensor_bytes(tensor))
-    return digest.hexdigest()
+def _checksum(
+    metadata: dict[str, str], tensors: dict[str, torch.Tensor], secret: bytes | None
+) -> tuple[str, str]:
+    """``(integrity, code)`` over the metadata the decoder trusts, each tensor's
+    dtype and shape, and the payload."""
+    described = {
+        "format": metadata["format"],
+        "fingerprint": metadata["fingerprint"],
+        "key": metadata["key"],
+        "tensors": [[n, str(tensors[n].dtype), list(tensors[n].shape)] for n in _TENSOR_NAMES],
+    }
+    head = json.dumps(described, sort_keys=True).encode("utf-8")
+    if secret is None:
+        digest, integrity = xxhash.xxh3_128(), "xxh3-128"
+    else:
+        digest, integrity = hmac.new(secret, digestmod=hashlib.sha256), "hmac-sha256"
+    digest.update(struct.pack("<Q", len(head)) + head)
+    for name in _TENSOR_NAMES:
+        digest.update(_payload(tensors[name]))
+    return integrity, digest.hexdigest()
 
 
-def encode_entry(kv: ChunkKV) -> bytes:
+def encode_entry(kv: ChunkKV, secret: bytes | None = None) -> bytes:
     """Serialize ``kv`` to self-verifying safetensors bytes.
 
     Args:
-        kv: the entry; K/V keep their dtype (float32, float16, bfloat16, ...).
+        kv: the entry; K/V keep their dtype (float32, float16 or bfloat16).
+        secret: sign with HMAC-SHA256 under this key (see :func:`store_secret`);
+            None: an xxh3-128 checksum.
 
     Returns:
         The bytes that :func:`decode_entry` turns back into an equal ``ChunkKV``.
@@ -57,12 +97,8 @@ def encode_entry(kv: ChunkKV) -> bytes:
         "keys": kv.keys.detach().cpu().contiguous(),
         "values": kv.values.detach().cpu().contiguous(),
     }
-    metadata = {
-        "format": FORMAT_VERSION,
-        "fingerprint": kv.fingerprint,
-        "key": kv.key,
-        "checksum": _checksum(tensors["token_ids"], tensors["keys"], tensors["values"]),
-    }
+    metadata = {"format": FORMAT_VERSION, "fingerprint": kv.fingerprint, "key": kv.key}
+    metadata["integrity"], metadata["checksum"] = _checksum(metadata, tensors, secret)
     return safetensors.torch.save(tensors, metadata=metadata)
 
 
@@ -81,8 +117,28 @@ def header_length(first8: bytes) -> int:
     return int(header_len)
 
 
+def entry_size(head: bytes) -> int:
+    """Total size of an entry from its first ``8 + header_length`` bytes: the size
+    the header itself declares (stores read no more than this).
+
+    Raises:
+        CacheEntryError: the header is truncated, not JSON or has bad offsets.
+    """
+    header_len = header_length(head)
+    if header_len > len(head) - 8:
+        raise CacheEntryError("entry is truncated: header runs past the end of the data")
+    try:
+        header = json.loads(head[8 : 8 + header_len])
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError,
+            ValueError, IndexError) as exc:  # fmt: skip
+        raise CacheEntryError(f"entry header is malformed: {exc}") from exc
+    return 8 + header_len + max(ends, default=0)
+
+
 def read_metadata(data: bytes) -> dict[str, str]:
-    """The entry's metadata (``format``, ``fingerprint``, ``key``, ``checksum``), unverified.
+    """The entry's metadata (``format``, ``fingerprint``, ``key``, ``checksum``, and
+    from format v2 ``integrity``), unverified.
 
     Only the header is parsed, so ``data`` may be just the entry's first
     ``8 + header_length(data[:8])`` bytes: stores use it to describe an entry
@@ -109,24 +165,34 @@ def read_metadata(data: bytes) -> dict[str, str]:
     return metadata
 
 
-def decode_entry(data: bytes) -> ChunkKV:
+def decode_entry(data: bytes, secret: bytes | None = None) -> ChunkKV:
     """Parse and verify bytes made by :func:`encode_entry`.
 
     Args:
         data: the stored bytes.
+        secret: the store's secret; entries must then carry a valid HMAC under it,
+            and without one they must carry the plain checksum.
 
     Returns:
         The decoded entry, tensors on CPU.
 
     Raises:
         CacheEntryError: the bytes are not a safetensors blob, have another format
-            version, lack a tensor, have inconsistent shapes, fail the checksum,
-            or are stored under a key that does not match their content.
+            version, lack a tensor, have dtypes or shapes the cache never has, fail
+            the integrity code (header or payload), are signed differently from
+            what the store expects, or are stored under a key that does not match
+            their content.
     """
     metadata = read_metadata(data)
     if metadata["format"] != FORMAT_VERSION:
         raise CacheEntryError(
             f"entry format {metadata['format']!r} is not {FORMAT_VERSION!r}; it will be rebuilt"
+        )
+    expected = "xxh3-128" if secret is None else "hmac-sha256"
+    if metadata.get("integrity") != expected:
+        raise CacheEntryError(
+            f"entry is protected by {metadata.get('integrity')!r}, this store expects {expected!r}"
+            " (a store secret set on one side only?)"
         )
     try:
         tensors = safetensors.torch.load(data)
@@ -136,13 +202,14 @@ def decode_entry(data: bytes) -> ChunkKV:
         raise CacheEntryError(
             f"entry holds tensors {sorted(tensors)}, expected {sorted(_TENSOR_NAMES)}"
         )
+    _, code = _checksum(metadata, tensors, secret)
+    if not hmac.compare_digest(code, metadata["checksum"]):
+        raise CacheEntryError("entry integrity check failed: its header or tensor bytes changed")
     token_ids, keys, values = (tensors[name] for name in _TENSOR_NAMES)
     if token_ids.dtype != torch.int64:
         raise CacheEntryError(f"entry token_ids are {token_ids.dtype}, expected torch.int64")
-    if keys.dtype != values.dtype:
-        raise CacheEntryError(f"entry keys are {keys.dtype} but values are {values.dtype}")
-    if _checksum(token_ids, keys, values) != metadata["checksum"]:
-        raise CacheEntryError("entry checksum mismatch: the tensor bytes are corrupt")
+    if keys.dtype not in _FLOAT_DTYPES or keys.dtype != values.dtype:
+        raise CacheEntryError(f"entry keys/values are {keys.dtype}/{values.dtype}")
     try:
         kv = ChunkKV(
             token_ids=token_ids, keys=keys, values=values, fingerprint=metadata["fingerprint"]

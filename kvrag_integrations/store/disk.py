@@ -6,7 +6,9 @@ import contextlib
 import logging
 import os
 import re
+import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +18,10 @@ from kvrag_integrations.store.base import EntryInfo, KVStore
 from kvrag_integrations.store.codec import (
     decode_entry,
     encode_entry,
+    entry_size,
     header_length,
     read_metadata,
+    store_secret,
 )
 
 logger = logging.getLogger(__name__)
@@ -26,6 +30,8 @@ _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _SUFFIX = ".safetensors"
 _TMP_PREFIX = ".tmp-"
 _MAX_HEADER = 1 << 20  # our headers are a few hundred bytes; larger means a damaged file
+# A writer finishes a temp file in well under this; older ones are a killed writer's.
+STALE_TEMP_S = 600.0
 
 
 class DiskKVStore(KVStore):
@@ -37,8 +43,16 @@ class DiskKVStore(KVStore):
     ``root`` is created on the first ``put``: a store on a read-only path can
     still be constructed and read; writing then raises ``StoreWriteError``.
 
+    Only regular files the store wrote are read: symlinks, FIFOs and devices
+    are refused without blocking, and no more bytes are read than the entry's
+    header declares (bounded by the file's size). Temp files left by killed
+    writers are counted by ``temp_files`` and removed by ``verify`` and
+    ``remove_stale_temp_files`` (what ``kvrag store verify`` / ``prune`` run).
+
     Args:
         root: the cache directory.
+        secret: sign entries with HMAC-SHA256 under this key and refuse unsigned
+            or foreign-signed ones (default: ``$KVRAG_STORE_SECRET``, else none).
 
     Examples:
         >>> import tempfile, torch
@@ -51,9 +65,10 @@ class DiskKVStore(KVStore):
         True
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, secret: str | bytes | None = None) -> None:
         super().__init__()
         self.root = Path(root)
+        self._secret = store_secret(secret)
 
     def _path(self, key: str) -> Path:
         if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
@@ -71,14 +86,14 @@ class DiskKVStore(KVStore):
 
     def _get(self, key: str) -> ChunkKV | None:
         try:
-            data = self._path(key).read_bytes()
+            data = read_entry_file(self._path(key))
         except FileNotFoundError:
             return None
-        return decode_entry(data)
+        return decode_entry(data, self._secret)
 
     def _put(self, key: str, kv: ChunkKV) -> None:
         path = self._path(key)
-        data = encode_entry(kv)
+        data = encode_entry(kv, self._secret)
         tmp_path: str | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,11 +140,11 @@ class DiskKVStore(KVStore):
         """Describe each entry file from its size, mtime and header (tensors are not read)."""
         for key, path in self._entry_files():
             try:
-                stat = path.stat()
+                info = path.lstat()
                 fingerprint = _peek_fingerprint(path)
             except FileNotFoundError:  # deleted meanwhile
                 continue
-            yield EntryInfo(key, stat.st_size, stat.st_mtime, fingerprint)
+            yield EntryInfo(key, info.st_size, info.st_mtime, fingerprint)
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +152,7 @@ class DiskKVStore(KVStore):
         total = 0
         for _, path in self._entry_files():
             with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
-                total += path.stat().st_size
+                total += path.lstat().st_size
         return total
 
     def verify(self) -> dict[str, int]:
@@ -153,7 +168,7 @@ class DiskKVStore(KVStore):
         counts = {"ok": 0, "bad": 0}
         for key, path in list(self._entry_files()):
             try:
-                kv = decode_entry(path.read_bytes())
+                kv = decode_entry(read_entry_file(path), self._secret)
                 if kv.key != key:
                     raise CacheEntryError("entry is stored under another key")
             except FileNotFoundError:  # deleted meanwhile: nothing to count
@@ -166,15 +181,89 @@ class DiskKVStore(KVStore):
             counts["ok"] += 1
         return counts
 
+    def temp_files(self) -> list[Path]:
+        """Temp files of writes in flight, or of writers that were killed."""
+        if not self.root.is_dir():
+            return []
+        return sorted(self.root.glob(f"??/{_TMP_PREFIX}*.part"))
+
+    def remove_stale_temp_files(self, older_than_s: float = STALE_TEMP_S) -> int:
+        """Delete temp files older than ``older_than_s`` (a killed writer's); return how many."""
+        removed, now = 0, time.time()
+        for path in self.temp_files():
+            with contextlib.suppress(FileNotFoundError):
+                if now - path.lstat().st_mtime >= older_than_s:
+                    path.unlink()
+                    removed += 1
+        return removed
+
+
+def _open_regular(path: Path) -> tuple[int, int]:
+    """``(fd, size)`` of ``path`` if it is a regular file (not a symlink, FIFO or device).
+
+    O_NOFOLLOW refuses a symlink and O_NONBLOCK keeps a FIFO from blocking the
+    open; fstat then checks what was opened.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP for a symlink, and friends
+        raise CacheEntryError(f"cannot open the entry file safely: {exc}") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise CacheEntryError("the entry is not a regular file")
+    return fd, info.st_size
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        block = os.read(fd, min(left, 1 << 24))
+        if not block:
+            break
+        chunks.append(block)
+        left -= len(block)
+    return b"".join(chunks)
+
+
+def _read_head(fd: int, size: int) -> bytes:
+    first8 = _read_exactly(fd, 8)
+    header_len = header_length(first8)
+    if header_len > _MAX_HEADER or 8 + header_len > size:
+        raise CacheEntryError("entry header is larger than the file or than any we write")
+    return first8 + _read_exactly(fd, header_len)
+
+
+def read_entry_file(path: Path) -> bytes:
+    """An entry file's bytes, read safely: a regular file, no more than its header declares.
+
+    Raises:
+        FileNotFoundError: no such file (a miss).
+        CacheEntryError: not a regular file, or a header that does not fit the file.
+    """
+    fd, size = _open_regular(path)
+    try:
+        head = _read_head(fd, size)
+        total = entry_size(head)
+        if total != size:
+            raise CacheEntryError(f"entry declares {total} bytes but the file has {size}")
+        return head + _read_exactly(fd, total - len(head))
+    finally:
+        os.close(fd)
+
 
 def _peek_fingerprint(path: Path) -> str | None:
     """The fingerprint in the file's header, or ``None`` if the header is unreadable."""
-    with open(path, "rb") as handle:
-        try:
-            size = header_length(handle.read(8))
-            if size > _MAX_HEADER:
-                return None
-            handle.seek(0)
-            return read_metadata(handle.read(8 + size))["fingerprint"]
-        except CacheEntryError:
-            return None
+    try:
+        fd, size = _open_regular(path)
+    except CacheEntryError:
+        return None
+    try:
+        return read_metadata(_read_head(fd, size))["fingerprint"]
+    except CacheEntryError:
+        return None
+    finally:
+        os.close(fd)

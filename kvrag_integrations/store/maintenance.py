@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ class StoreSummary:
         nbytes: their total stored size.
         by_fingerprint: entries per model fingerprint (``None``: unreadable header).
         oldest, newest: the earliest and latest ``updated_at`` (``None``: unknown).
+        temp_files, temp_bytes: partial writes (in flight, or of killed writers).
     """
 
     entries: int = 0
@@ -26,18 +28,27 @@ class StoreSummary:
     by_fingerprint: dict[str | None, int] = field(default_factory=dict)
     oldest: float | None = None
     newest: float | None = None
+    temp_files: int = 0
+    temp_bytes: int = 0
 
 
 def summarize(store: KVStore) -> StoreSummary:
     """Count the entries of ``store``, their bytes and their fingerprints."""
     infos = list(store.entries())
     times = [i.updated_at for i in infos if i.updated_at is not None]
+    temps = store.temp_files()
+    temp_bytes = 0
+    for path in temps:
+        with contextlib.suppress(FileNotFoundError):  # finished meanwhile
+            temp_bytes += path.lstat().st_size
     return StoreSummary(
         entries=len(infos),
         nbytes=sum(i.nbytes for i in infos),
         by_fingerprint=dict(Counter(i.fingerprint for i in infos).most_common()),
         oldest=min(times, default=None),
         newest=max(times, default=None),
+        temp_files=len(temps),
+        temp_bytes=temp_bytes,
     )
 
 
@@ -118,7 +129,9 @@ def select_for_pruning(
 
 
 def prune(store: KVStore, **criteria: float | str | None) -> list[EntryInfo]:
-    """Delete what :func:`select_for_pruning` chooses from ``store``; returns it."""
+    """Evict what the criteria choose (see :func:`select_for_pruning`), and the
+    partial writes of killed writers."""
+    store.remove_stale_temp_files()
     chosen = select_for_pruning(store.entries(), **criteria)  # type: ignore[arg-type]
     for info in chosen:
         store.delete(info.key)

@@ -18,6 +18,7 @@ from kvrag_integrations.store.codec import (
     encode_entry,
     header_length,
     read_metadata,
+    store_secret,
 )
 
 try:  # the optional ``redis`` extra: the package imports without it
@@ -68,6 +69,9 @@ class RedisKVStore(KVStore):
         ttl_s: seconds an entry lives after it is written, or ``None`` for ever.
         max_value_bytes: the largest single Redis value; bigger entries are split.
         socket_timeout: seconds to wait on the server (connect and each read/write).
+        secret: sign entries with HMAC-SHA256 under this key and refuse unsigned or
+            foreign-signed ones (default: ``$KVRAG_STORE_SECRET``, else none): what
+            a Redis that others can write to needs (see docs/deployment.md).
 
     Examples:
         >>> import torch
@@ -88,8 +92,10 @@ class RedisKVStore(KVStore):
         ttl_s: float | None = None,
         max_value_bytes: int = 64 * 2**20,
         socket_timeout: float = 1.0,
+        secret: str | bytes | None = None,
     ) -> None:
         super().__init__()
+        self._secret = store_secret(secret)
         if redis_lib is None:
             raise ImportError(
                 "RedisKVStore needs the redis client: pip install 'kvrag-integrations[redis]'"
@@ -180,7 +186,7 @@ class RedisKVStore(KVStore):
             # A miss, not a bad entry: nothing to delete, the engine just recomputes.
             logger.warning("redis unreachable (%s); cache entry %s is a miss", exc, key[:16])
             return None
-        return None if blob is None else decode_entry(blob)
+        return None if blob is None else decode_entry(blob, self._secret)
 
     def _join_parts(self, manifest: bytes, rkey: str) -> bytes:
         meta, part_keys = self._manifest(manifest, rkey)
@@ -195,7 +201,7 @@ class RedisKVStore(KVStore):
 
     def _put(self, key: str, kv: ChunkKV) -> None:
         rkey = self._rkey(key)
-        blob = encode_entry(kv)
+        blob = encode_entry(kv, self._secret)
         try:
             for _ in range(3):
                 try:
