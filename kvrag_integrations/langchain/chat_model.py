@@ -15,7 +15,9 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag_integrations.engine import GenerationResult, KVRAGEngine
 from kvrag_integrations.engine.generate import sampling_params
+from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain._aio import aiter_in_thread
+from kvrag_integrations.langchain.hooks import install_hooks
 from kvrag_integrations.langchain.messages import to_engine_messages
 
 # LangChain parameter name -> engine argument name.
@@ -88,7 +90,23 @@ class ChatKVRAG(BaseChatModel):
         sampling_params({arg: getattr(self, name) for name, arg in _SAMPLING.items()})
         sampling_params({"stop": self.stop})
         self._ensure_engine()
+        install_hooks()  # any retriever's documents become known chunks
         return self
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
+        """Refused: the model does not call tools (a clear error where it is asked for)."""
+        raise UnsupportedInputError(
+            "ChatKVRAG does not support tool calling (bind_tools): the local models it "
+            "serves are not tool-calling models; use a retrieval chain or a graph node "
+            "that calls the retriever instead of a tool"
+        )
+
+    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
+        """Refused: no structured (JSON-schema) output mode."""
+        raise UnsupportedInputError(
+            "ChatKVRAG does not support structured output (with_structured_output); "
+            "parse its text with an output parser instead"
+        )
 
     def _ensure_engine(self) -> KVRAGEngine:
         if self.engine is None:

@@ -1,4 +1,5 @@
-"""add_documents: fill a chromadb collection and precompute the documents' KV caches."""
+"""add_documents: fill a vector store (any LangChain ``VectorStore``, or a raw chromadb
+collection) and precompute the documents' KV caches."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
+from langchain_core.vectorstores import VectorStore
 from tqdm.auto import tqdm
 
 from kvrag_integrations.engine import CACHE_KEY_FIELD, KVRAGEngine
@@ -34,18 +36,24 @@ def add_documents(
     batch_size: int = 32,
     show_progress: bool = True,
 ) -> list[str]:
-    """Upsert documents into a chromadb collection and store their KV caches.
+    """Add documents to a vector store and store their KV caches.
 
     Ids come from the text (``document_id``), so adding the same documents again
     changes nothing (metadata is refreshed); duplicates in one call are stored
     once. Each document's metadata gets ``CACHE_KEY_FIELD``; chroma takes only
-    scalar (and list) metadata values.
+    scalar (and list) metadata values. The texts join the engine's chunk index,
+    so ``ChatKVRAG`` on that engine finds them in any prompt from the first
+    request on, however they were retrieved (a retriever, or ``similarity_search``
+    inside an agent's middleware).
 
     Args:
-        collection: a chromadb ``Collection``.
+        collection: any LangChain ``VectorStore`` (``InMemoryVectorStore``,
+            langchain-chroma's ``Chroma``, FAISS, PGVector...; it embeds with its
+            own embeddings), or a raw chromadb ``Collection``.
         documents: ``Document``s or strings; each text is one chunk.
         engine: where the caches are computed and stored (default: the shared engine).
-        embeddings: a LangChain ``Embeddings`` (default: the packaged MiniLM).
+        embeddings: for a raw chromadb collection, a LangChain ``Embeddings``
+            (default: the packaged MiniLM); a ``VectorStore`` uses its own.
         batch_size: documents embedded and upserted per step.
         show_progress: a tqdm progress bar.
 
@@ -67,9 +75,25 @@ def add_documents(
         if not isinstance(doc.page_content, str) or not doc.page_content.strip():
             raise InvalidChunkError(f"documents[{i}] has no text")
     engine = engine if engine is not None else KVRAGEngine.shared()
-    embeddings = embeddings if embeddings is not None else MiniLMEmbeddings()
     ids = [document_id(d.page_content) for d in docs]
     unique = list(dict(zip(ids, docs)).items())  # one entry per id, the last one wins
+    if isinstance(collection, VectorStore):
+        if embeddings is not None:
+            raise TypeError("a LangChain VectorStore embeds with its own embeddings")
+        refs = engine.encode_chunks(
+            [d.page_content for _, d in unique], show_progress=show_progress
+        )
+        collection.add_documents(
+            [
+                Document(
+                    page_content=d.page_content, metadata={**d.metadata, CACHE_KEY_FIELD: r.key}
+                )
+                for (_, d), r in zip(unique, refs)
+            ],
+            ids=[doc_id for doc_id, _ in unique],
+        )
+        return ids
+    embeddings = embeddings if embeddings is not None else MiniLMEmbeddings()
     with tqdm(
         total=len(unique), desc="Adding documents", unit="doc", disable=not show_progress
     ) as bar:

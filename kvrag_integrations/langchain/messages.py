@@ -22,6 +22,7 @@ from langchain_core.messages import (
 )
 
 from kvrag_integrations.engine import CACHE_KEY_FIELD, Chunk, KVRAGEngine, Segment, Text
+from kvrag_integrations.engine.spans import recent_chunks
 from kvrag_integrations.errors import UnsupportedInputError
 
 # Content blocks that carry no prompt text (a text-only model skips them).
@@ -86,6 +87,15 @@ def _block_cache_key(block: dict[str, Any]) -> str | None:
     return str(key) if key else None
 
 
+def message_text(message: BaseMessage) -> str:
+    """The text a message carries (string content, or its text blocks joined)."""
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(
+        b["text"] for b in message.content if isinstance(b, dict) and isinstance(b.get("text"), str)
+    )
+
+
 def content_segments(
     message: BaseMessage, engine: KVRAGEngine, known_chunks: Sequence[str] = ()
 ) -> str | list[Segment]:
@@ -141,13 +151,19 @@ def to_engine_messages(
     Args:
         messages: LangChain messages (system, human, AI, tool, chat).
         engine: the engine whose ``chunk_index`` finds chunks in text.
-        documents: documents given explicitly; their texts become known chunks.
+        documents: documents given explicitly; their texts become known chunks, as
+            do texts any LangChain retriever returned (``langchain.hooks``) found
+            verbatim in the messages.
 
     Examples:
         >>> msgs, known = to_engine_messages([HumanMessage("Q?")], engine)  # doctest: +SKIP
         >>> engine.prefill(messages=msgs, known_chunks=known).logits  # doctest: +SKIP
     """
     known = document_texts(documents)
+    # texts any retriever returned in this process (langchain.hooks), found verbatim
+    registry = recent_chunks()
+    for message in messages:
+        known += [t for t in registry.find(message_text(message)) if t not in known]
     out = [
         {"role": message_role(m), "content": content_segments(m, engine, known)} for m in messages
     ]

@@ -43,13 +43,13 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import BaseNode, NodeWithScore
 
 from kvrag_integrations.engine.spans import ChunkIndex
+from kvrag_integrations.engine.spans import recent_chunks as engine_recent_chunks
 from kvrag_integrations.llama_index._nodes import llm_texts
 
 MAX_REQUEST_CHUNKS = 256  # the most recent node texts kept per request context
-MAX_RECENT_CHUNKS = 4096  # the most recent node texts kept process-wide
 
 _REQUEST_CHUNKS: ContextVar[tuple[str, ...]] = ContextVar("kvrag_request_chunks", default=())
-_RECENT = ChunkIndex(max_chunks=MAX_RECENT_CHUNKS)
+_RECENT = engine_recent_chunks()  # shared with the LangChain adapter
 _INSTALLED = False
 _INSTALL_LOCK = threading.Lock()
 
