@@ -94,7 +94,12 @@ class ChatKVRAG(BaseChatModel):
         return self
 
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
-        """Refused: the model does not call tools (a clear error where it is asked for)."""
+        """Refused: the model does not call tools (a clear error where it is asked for).
+
+        No tools is no change (an agent built with ``tools=[]`` binds none).
+        """
+        if not tools and not kwargs.get("tool_choice"):
+            return self
         raise UnsupportedInputError(
             "ChatKVRAG does not support tool calling (bind_tools): the local models it "
             "serves are not tool-calling models; use a retrieval chain or a graph node "

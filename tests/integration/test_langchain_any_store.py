@@ -115,8 +115,115 @@ def test_ingested_through_us_reuses_from_the_first_request(fresh: KVRAGEngine) -
 
 
 def test_tool_calling_and_structured_output_are_refused_where_asked() -> None:
+    from langchain_core.tools import tool
+
+    @tool
+    def search(query: str) -> str:
+        """Search the web."""
+        return query
+
     llm = ChatKVRAG(max_tokens=4)
+    assert llm.bind_tools([]) is llm  # no tools: nothing to refuse (create_agent, tools=[])
     with pytest.raises(UnsupportedInputError, match="tool calling"):
-        llm.bind_tools([])
+        llm.bind_tools([search])
     with pytest.raises(UnsupportedInputError, match="structured output"):
         llm.with_structured_output({"type": "object"})
+
+
+def _second_request_reuses(llm: ChatKVRAG, fresh: KVRAGEngine, run, docs: list[Document]) -> None:
+    """Run twice (the first may answer by plain prefill and queue the caches): the
+    second reads most chunk tokens from cache, with the engine's own logits."""
+    run()
+    fresh.wait_for_encoding()
+    run()
+    result = llm.last_result
+    assert result.fallback is None
+    assert result.reused_chunk_tokens >= 0.8 * chunk_tokens(fresh, docs) > 0
+
+
+def test_create_agent_with_dynamic_prompt(fresh: KVRAGEngine) -> None:
+    """The RAG agent of LangChain's docs: a @dynamic_prompt middleware that calls
+    similarity_search and puts the documents in the system message."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import ModelRequest, dynamic_prompt
+
+    vector_store = InMemoryVectorStore(MiniLMEmbeddings())
+    add_documents(vector_store, DOCS, fresh, show_progress=False)
+    model = ChatKVRAG(engine=fresh, max_tokens=4)
+
+    @dynamic_prompt
+    def prompt_with_context(request: ModelRequest) -> str:
+        """Inject context into state messages."""
+        last_query = request.state["messages"][-1].text
+        retrieved_docs = vector_store.similarity_search(last_query, k=2)
+        docs_content = "\n\n".join(doc.page_content for doc in retrieved_docs)
+        system_message = (
+            f"You are a helpful assistant. Use the following context in your response:"
+            f"\n\n{docs_content}"
+        )
+        return system_message
+
+    agent = create_agent(model, tools=[], middleware=[prompt_with_context])
+    docs = vector_store.similarity_search(QUESTION, k=2)
+    for _ in agent.stream(
+        {"messages": [{"role": "user", "content": QUESTION}]}, stream_mode="values"
+    ):
+        pass
+    result = model.last_result
+    assert result.fallback is None  # ingested through us: reused from the first request
+    assert result.reused_chunk_tokens == chunk_tokens(fresh, docs)
+
+
+def test_create_retrieval_chain(fresh: KVRAGEngine) -> None:
+    from langchain_classic.chains import create_retrieval_chain
+    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+
+    vector_store = InMemoryVectorStore(MiniLMEmbeddings())
+    vector_store.add_documents([Document(page_content=t) for t in DOCS])
+    llm = ChatKVRAG(engine=fresh, max_tokens=4)
+    system_prompt = (
+        "Use the given context to answer the question. "
+        "If you don't know the answer, say you don't know. "
+        "Use three sentence maximum and keep the answer concise. "
+        "Context: {context}"
+    )
+    prompt = ChatPromptTemplate.from_messages([("system", system_prompt), ("human", "{input}")])
+    question_answer_chain = create_stuff_documents_chain(llm, prompt)
+    retriever = vector_store.as_retriever(search_kwargs={"k": 2})
+    chain = create_retrieval_chain(retriever, question_answer_chain)
+    docs = retriever.invoke(QUESTION)
+    _second_request_reuses(llm, fresh, lambda: chain.invoke({"input": QUESTION}), docs)
+
+
+def test_langgraph_rag_graph(fresh: KVRAGEngine) -> None:
+    """The retrieve -> generate graph of LangChain's RAG tutorial."""
+    from typing import TypedDict
+
+    from langgraph.graph import START, StateGraph
+
+    vector_store = InMemoryVectorStore(MiniLMEmbeddings())
+    vector_store.add_documents([Document(page_content=t) for t in DOCS])
+    llm = ChatKVRAG(engine=fresh, max_tokens=4)
+    prompt = ChatPromptTemplate.from_template(TEMPLATE)
+    retriever = vector_store.as_retriever(search_kwargs={"k": 2})
+
+    class State(TypedDict):
+        question: str
+        context: list[Document]
+        answer: str
+
+    def retrieve(state: State):
+        retrieved_docs = retriever.invoke(state["question"])
+        return {"context": retrieved_docs}
+
+    def generate(state: State):
+        docs_content = "\n\n".join(doc.page_content for doc in state["context"])
+        messages = prompt.invoke({"question": state["question"], "context": docs_content})
+        response = llm.invoke(messages)
+        return {"answer": response.content}
+
+    graph_builder = StateGraph(State).add_sequence([retrieve, generate])
+    graph_builder.add_edge(START, "retrieve")
+    graph = graph_builder.compile()
+    docs = retriever.invoke(QUESTION)
+    _second_request_reuses(llm, fresh, lambda: graph.invoke({"question": QUESTION}), docs)
