@@ -28,7 +28,7 @@ import statistics
 from typing import Any
 
 from kvrag_integrations.bench import peer
-from kvrag_integrations.bench.common import RagItem, markdown_table, trim_to_tokens
+from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trim_to_tokens
 from kvrag_integrations.store import MemoryKVStore
 
 QUICK = {"items": 1, "n_chunks": 2, "chunk_tokens": 16, "repeats": 1, "max_new_tokens": 2}
@@ -73,7 +73,7 @@ def run(
             for key in ("full", "cold", "encode", "peer"):
                 if key == "peer":
                     seconds, _ = peer.first_response_s(hf, text)
-                    _add(per[key], ttft=seconds, reused_chunk_tokens=0)
+                    append_values(per[key], ttft=seconds, reused_chunk_tokens=0)
                     continue
                 name = "full" if key == "full" else strategy
                 llm = KVRAGLLM(
@@ -82,11 +82,11 @@ def run(
                     max_new_tokens=max_new_tokens,
                 )
                 seconds, _ = peer.first_response_s(llm, text)
-                _add(per[key], ttft=seconds, **_stats(llm))
+                append_values(per[key], ttft=seconds, **_stats(llm))
                 llm.engine.wait_for_encoding()  # nothing runs beside the next measurement
                 if key == "cold":
                     seconds, _ = peer.first_response_s(llm, text)
-                    _add(per["warm"], ttft=seconds, **_stats(llm))
+                    append_values(per["warm"], ttft=seconds, **_stats(llm))
     full = statistics.median(per["full"]["ttft"])
     rows = []
     for key, label in labels.items():
@@ -117,11 +117,6 @@ def _stats(llm: Any) -> dict[str, float]:
         "reused_chunk_tokens": stats["reused_chunk_tokens"],
         "fell_back": float(stats["fallback"] is not None),
     }
-
-
-def _add(row: dict[str, list[float]], **values: float) -> None:
-    for key, value in values.items():
-        row.setdefault(key, []).append(value)
 
 
 def table(payload: dict[str, Any]) -> str:

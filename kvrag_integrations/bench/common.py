@@ -202,3 +202,9 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def append_values(row: dict[str, list[float]], **values: float) -> None:
+    """Append each value to its list in ``row`` (one list per measured quantity)."""
+    for key, value in values.items():
+        row.setdefault(key, []).append(value)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag_integrations.bench import plots
-from kvrag_integrations.bench.common import RagItem, markdown_table, trim_to_tokens
+from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trim_to_tokens
 from kvrag_integrations.bench.metrics import token_f1
 from kvrag_integrations.bench.quality import label
 from kvrag_integrations.engine.segments import rag_user_segments
@@ -124,15 +124,21 @@ def run(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
         )
         peer_tokens = len(engine.tokenizer(rendered)["input_ids"])
-        _add(per[PEER], ttft=peer_ttft, prompt_tokens=peer_tokens, reused=0, chunk_share=0.0,
-             f1_vs_peer=1.0)  # fmt: skip
+        append_values(
+            per[PEER],
+            ttft=peer_ttft,
+            prompt_tokens=peer_tokens,
+            reused=0,
+            chunk_share=0.0,
+            f1_vs_peer=1.0,
+        )
         in_chunks = sum(
             len(engine.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in chunks
         )
         for name, llm in ours.items():
             ttft, answer = _median_ttft(llm, text, repeats)
             stats = llm.last_stats
-            _add(
+            append_values(
                 per[name],
                 ttft=ttft,
                 prompt_tokens=stats["prompt_tokens"],
@@ -165,11 +171,6 @@ def run(
         "peer": f"llama_index.llms.huggingface.{PEER}",
         "results": rows,
     }
-
-
-def _add(row: dict[str, list[float]], **values: float) -> None:
-    for key, value in values.items():
-        row.setdefault(key, []).append(value)
 
 
 def table(payload: dict[str, Any]) -> str:

@@ -117,6 +117,24 @@ def header_length(first8: bytes) -> int:
     return int(header_len)
 
 
+def _header(data: bytes) -> dict:
+    """The JSON header of an entry from (at least) its first ``8 + header_length`` bytes.
+
+    safetensors.torch.load drops the metadata, so the header is read directly:
+    8 bytes little-endian header length, then the header itself.
+    """
+    header_len = header_length(data)
+    if header_len > len(data) - 8:
+        raise CacheEntryError("entry is truncated: header runs past the end of the data")
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CacheEntryError(f"entry header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CacheEntryError("entry header is not a JSON object")
+    return header
+
+
 def entry_size(head: bytes) -> int:
     """Total size of an entry from its first ``8 + header_length`` bytes: the size
     the header itself declares (stores read no more than this).
@@ -124,16 +142,12 @@ def entry_size(head: bytes) -> int:
     Raises:
         CacheEntryError: the header is truncated, not JSON or has bad offsets.
     """
-    header_len = header_length(head)
-    if header_len > len(head) - 8:
-        raise CacheEntryError("entry is truncated: header runs past the end of the data")
+    header = _header(head)
     try:
-        header = json.loads(head[8 : 8 + header_len])
         ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError,
-            ValueError, IndexError) as exc:  # fmt: skip
-        raise CacheEntryError(f"entry header is malformed: {exc}") from exc
-    return 8 + header_len + max(ends, default=0)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CacheEntryError(f"entry header has bad offsets: {exc}") from exc
+    return 8 + header_length(head) + max(ends, default=0)
 
 
 def read_metadata(data: bytes) -> dict[str, str]:
@@ -147,16 +161,8 @@ def read_metadata(data: bytes) -> dict[str, str]:
     Raises:
         CacheEntryError: the header is truncated, not JSON or lacks a field.
     """
-    # safetensors.torch.load drops the metadata, so read the JSON header directly:
-    # 8 bytes little-endian header length, then the header itself.
-    header_len = header_length(data)
-    if header_len > len(data) - 8:
-        raise CacheEntryError("entry is truncated: header runs past the end of the data")
-    try:
-        header = json.loads(data[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CacheEntryError(f"entry header is not valid JSON: {exc}") from exc
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    header = _header(data)
+    metadata = header.get("__metadata__")
     if not isinstance(metadata, dict):
         raise CacheEntryError("entry has no metadata")
     missing = [name for name in _METADATA_NAMES if not isinstance(metadata.get(name), str)]
