@@ -32,6 +32,7 @@ import torch
 from transformers import Cache, DynamicCache
 
 from kvrag_integrations.engine.layout import ModelLayout
+from kvrag_integrations.errors import UnsupportedModelError
 
 
 @dataclass
@@ -172,7 +173,7 @@ def additive_masks(
     return masks
 
 
-def model_mask(layout: ModelLayout, masks: dict[str, torch.Tensor]) -> Any:
+def model_mask(masks: dict[str, torch.Tensor]) -> Any:
     """What the model's forward takes as ``attention_mask``: a dict by layer type
     where its layers differ, else the one 4D mask."""
     if len(masks) == 1:
@@ -202,11 +203,8 @@ def run_tokens(
     Returns:
         float32 logits ``[vocab]`` of the last row, or None when stopped early.
     """
-    refused = layout.reuse_refused
-    if refused:
-        from kvrag_integrations.errors import UnsupportedModelError
-
-        raise UnsupportedModelError(refused)
+    if layout.reuse_refused:
+        raise UnsupportedModelError(layout.reuse_refused)
     device = kv.keys.device
     rows = rows.to(device)
     # A row depends only on earlier rows, so a large scattered set can run as
@@ -239,7 +237,7 @@ def _forward(
         cache, mask = _WholePrefixCache(writer), None
     else:
         cache = PromptCache(writer)
-        mask = model_mask(layout, additive_masks(layout, rows, writer.end, kv.keys.dtype))
+        mask = model_mask(additive_masks(layout, rows, writer.end, kv.keys.dtype))
     try:
         out = lm(
             input_ids=kv.input_ids.to(rows.device)[rows][None],
