@@ -195,6 +195,11 @@ class ChatKVRAG(BaseChatModel):
         """
         kwargs = dict(kwargs)
         kwargs.pop("stream", None)
+        if kwargs.pop("n", 1) != 1:
+            raise UnsupportedInputError(
+                "ChatKVRAG returns one completion per call (n > 1 is not supported); "
+                "call it once per completion (with different seeds when sampling)"
+            )
         engine = self.engine_for(kwargs.pop("model", None))
         strategy = kwargs.pop("strategy", self.strategy)
         options = dict(self.strategy_options) if strategy == self.strategy else {}

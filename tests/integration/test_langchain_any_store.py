@@ -128,6 +128,8 @@ def test_tool_calling_and_structured_output_are_refused_where_asked() -> None:
         llm.bind_tools([search])
     with pytest.raises(UnsupportedInputError, match="structured output"):
         llm.with_structured_output({"type": "object"})
+    with pytest.raises(UnsupportedInputError, match="n > 1"):
+        llm.invoke("Hello", n=2)
 
 
 def _second_request_reuses(llm: ChatKVRAG, fresh: KVRAGEngine, run, docs: list[Document]) -> None:
