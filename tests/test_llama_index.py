@@ -191,7 +191,9 @@ def test_missing_or_corrupt_caches_are_encoded_on_the_fly(engine, disk_engine, t
     assert llm.last_stats["lazily_encoded_chunks"] == 2
     assert store.stats.rejected == 1
     assert str(again) == str(clean)
-    torch.testing.assert_close(llm.last_result.first_token_logits, clean_logits)
+    # The two re-encoded chunks were batched differently from ingestion's: equal up
+    # to matmul rounding (measured 1.5e-5 on logits of magnitude ~20), as documented.
+    torch.testing.assert_close(llm.last_result.first_token_logits, clean_logits, atol=1e-4, rtol=0)
     assert all(store.get(k, disk_engine.fingerprint) is not None for k in keys)  # rewritten
 
 
@@ -220,7 +222,11 @@ def test_a_foreign_models_cache_is_never_used(engine, disk_engine, tmp_path) -> 
     reference = engine.prefill(
         messages=llm.last_messages, known_chunks=llm.last_known_chunks, strategy="turbo"
     )
-    torch.testing.assert_close(llm.last_result.first_token_logits, reference.logits)
+    # The session engine may hold this chunk from another batch (earlier tests): equal
+    # up to matmul rounding, as documented; a foreign cache would be off by whole units.
+    torch.testing.assert_close(
+        llm.last_result.first_token_logits, reference.logits, atol=1e-4, rtol=0
+    )
 
 
 def test_caches_survive_a_restart_next_to_a_persistent_chroma(engine, tmp_path) -> None:

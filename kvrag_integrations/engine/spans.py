@@ -120,13 +120,5 @@ def split_at_chunks(text: str, matches: Iterable[tuple[int, str]]) -> list[Segme
     return out
 
 
-# Texts the frameworks retrieved recently, process-wide (any retriever, task or
-# thread): adapters record them and look them up in prompts. Only verbatim
-# matches are reused, so a stale entry costs a string search, never a wrong answer.
+# How many recently retrieved texts an adapter's process-wide registry keeps.
 MAX_RECENT_CHUNKS = 4096
-_RECENT = ChunkIndex(max_chunks=MAX_RECENT_CHUNKS)
-
-
-def recent_chunks() -> ChunkIndex:
-    """The process-wide registry of recently retrieved texts (bounded, least recent dropped)."""
-    return _RECENT

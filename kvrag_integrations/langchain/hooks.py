@@ -2,8 +2,8 @@
 
 A callback handler, injected into every LangChain run through
 ``register_configure_hook`` (the way LangSmith tracing injects itself), records
-the ``page_content`` of each retriever's result in the engine's process-wide
-registry of recent texts (``engine.spans.recent_chunks``). ``ChatKVRAG`` then
+the ``page_content`` of each retriever's result in a bounded process-wide
+registry (:func:`recent_chunks`). ``ChatKVRAG`` then
 finds those texts verbatim in its prompt and passes them to the engine as
 chunks: an LCEL chain or a LangGraph node over *any* vector store's
 ``as_retriever()`` reuses chunk caches, with nothing of ours in the chain but
@@ -20,7 +20,14 @@ from typing import Any
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 
-from kvrag_integrations.engine.spans import recent_chunks
+from kvrag_integrations.engine.spans import MAX_RECENT_CHUNKS, ChunkIndex
+
+_RECENT = ChunkIndex(max_chunks=MAX_RECENT_CHUNKS)
+
+
+def recent_chunks() -> ChunkIndex:
+    """Texts LangChain retrievers returned in this process (bounded, least recent dropped)."""
+    return _RECENT
 
 
 class RetrievedDocumentsHandler(BaseCallbackHandler):

@@ -22,8 +22,8 @@ from langchain_core.messages import (
 )
 
 from kvrag_integrations.engine import CACHE_KEY_FIELD, Chunk, KVRAGEngine, Segment, Text
-from kvrag_integrations.engine.spans import recent_chunks
 from kvrag_integrations.errors import UnsupportedInputError
+from kvrag_integrations.langchain.hooks import recent_chunks
 
 # Content blocks that carry no prompt text (a text-only model skips them).
 _SKIPPED_BLOCKS = {
@@ -87,12 +87,17 @@ def _block_cache_key(block: dict[str, Any]) -> str | None:
     return str(key) if key else None
 
 
-def message_text(message: BaseMessage) -> str:
-    """The text a message carries (string content, or its text blocks joined)."""
+def searchable_text(message: BaseMessage) -> str:
+    """The text of a message that is split at known chunks: string content, or its
+    plain text blocks (document blocks are chunks already)."""
     if isinstance(message.content, str):
         return message.content
     return "".join(
-        b["text"] for b in message.content if isinstance(b, dict) and isinstance(b.get("text"), str)
+        block["text"]
+        for block in message.content_blocks
+        if block.get("type") == "text"
+        and isinstance(block.get("text"), str)
+        and _block_cache_key(dict(block)) is None
     )
 
 
@@ -163,7 +168,7 @@ def to_engine_messages(
     # texts any retriever returned in this process (langchain.hooks), found verbatim
     registry = recent_chunks()
     for message in messages:
-        known += [t for t in registry.find(message_text(message)) if t not in known]
+        known += [t for t in registry.find(searchable_text(message)) if t not in known]
     out = [
         {"role": message_role(m), "content": content_segments(m, engine, known)} for m in messages
     ]

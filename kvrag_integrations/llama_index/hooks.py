@@ -42,14 +42,13 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import BaseNode, NodeWithScore
 
-from kvrag_integrations.engine.spans import ChunkIndex
-from kvrag_integrations.engine.spans import recent_chunks as engine_recent_chunks
+from kvrag_integrations.engine.spans import MAX_RECENT_CHUNKS, ChunkIndex
 from kvrag_integrations.llama_index._nodes import llm_texts
 
 MAX_REQUEST_CHUNKS = 256  # the most recent node texts kept per request context
 
 _REQUEST_CHUNKS: ContextVar[tuple[str, ...]] = ContextVar("kvrag_request_chunks", default=())
-_RECENT = engine_recent_chunks()  # shared with the LangChain adapter
+_RECENT = ChunkIndex(max_chunks=MAX_RECENT_CHUNKS)
 _INSTALLED = False
 _INSTALL_LOCK = threading.Lock()
 

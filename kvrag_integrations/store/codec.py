@@ -210,7 +210,9 @@ def decode_entry(data: bytes, secret: bytes | None = None) -> ChunkKV:
         )
     _, code = _checksum(metadata, tensors, secret)
     if not hmac.compare_digest(code, metadata["checksum"]):
-        raise CacheEntryError("entry integrity check failed: its header or tensor bytes changed")
+        raise CacheEntryError(
+            "entry checksum mismatch: the integrity check over its header and tensor bytes failed"
+        )
     token_ids, keys, values = (tensors[name] for name in _TENSOR_NAMES)
     if token_ids.dtype != torch.int64:
         raise CacheEntryError(f"entry token_ids are {token_ids.dtype}, expected torch.int64")
