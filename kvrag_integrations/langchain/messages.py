@@ -168,7 +168,9 @@ def to_engine_messages(
     # texts any retriever returned in this process (langchain.hooks), found verbatim
     registry = recent_chunks()
     for message in messages:
-        known += [t for t in registry.find(searchable_text(message)) if t not in known]
+        for text in registry.find(searchable_text(message)):
+            if not any(text in chunk for chunk in known):  # inside a longer one: nothing new
+                known.append(text)
     out = [
         {"role": message_role(m), "content": content_segments(m, engine, known)} for m in messages
     ]

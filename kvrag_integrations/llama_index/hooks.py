@@ -98,7 +98,10 @@ def known_chunks(prompts: Iterable[str]) -> tuple[str, ...]:
     """
     out = dict.fromkeys(request_chunks())
     for prompt in prompts:
-        out.update(dict.fromkeys(_RECENT.find(prompt)))
+        for text in _RECENT.find(prompt):
+            # a noted text inside a longer known chunk adds nothing (the longer wins)
+            if not any(text in chunk for chunk in out):
+                out[text] = None
     return tuple(out)
 
 
