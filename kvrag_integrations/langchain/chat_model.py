@@ -90,7 +90,7 @@ class ChatKVRAG(BaseChatModel):
         sampling_params({arg: getattr(self, name) for name, arg in _SAMPLING.items()})
         sampling_params({"stop": self.stop})
         self._ensure_engine()
-        install_hooks()  # any retriever's documents become known chunks
+        install_hooks()  # retrievers' and vector store searches' documents become known chunks
         return self
 
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
