@@ -13,8 +13,8 @@ import chromadb
 import pytest
 
 from kvrag_integrations import KVRAGEngine
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.cli import main
-from kvrag_integrations.engine.kv import ChunkKV
 from kvrag_integrations.store import DiskKVStore
 
 ROOT = Path(__file__).resolve().parents[1]

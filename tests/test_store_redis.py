@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvrag_integrations import KVRAGEngine, RedisKVStore, TieredKVStore
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store.codec import encode_entry
 from kvrag_integrations.store.redis import _MANIFEST_MAGIC

@@ -34,7 +34,7 @@ import torch
 
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, timed
 from kvrag_integrations.bench.metrics import kl_divergence
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore
 from kvrag_integrations.store.codec import encode_entry
 

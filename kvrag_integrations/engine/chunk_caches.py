@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from kvrag_integrations.chunk_kv import ChunkKV, cache_key
 from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.kv import ChunkKV, cache_key
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.results import ChunkRef
 from kvrag_integrations.engine.segments import TokenizedPrompt, tokenize_text, validate_chunk_text
