@@ -10,7 +10,13 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from kvrag_integrations.chunk_kv import ChunkKV, cache_key, check_precision, storage_fingerprint
+from kvrag_integrations.chunk_kv import (
+    ChunkKV,
+    cache_key,
+    check_precision,
+    dtype_name,
+    storage_fingerprint,
+)
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.results import ChunkRef
@@ -164,8 +170,8 @@ class ChunkCaches:
             kv = store.get(key, self.fingerprint)
             if not piece.is_prefix:
                 self.index.add(piece.text)
-            if kv is not None and not self.fits_layout(kv):
-                logger.warning("cache entry %s has the wrong shape for this model", key[:16])
+            if kv is not None and not (self.fits_layout(kv) and self.fits_precision(kv, store)):
+                logger.warning("cache entry %s has the wrong shape or precision", key[:16])
                 store.delete(key)
                 kv = None
             if kv is None:
@@ -180,6 +186,17 @@ class ChunkCaches:
         layout = self.loaded.layout
         layers, heads, _, head_dim = kv.keys.shape
         return (layers, heads, head_dim) == (layout.num_layers, layout.kv_heads, layout.head_dim)
+
+    def fits_precision(self, kv: ChunkKV, store: KVStore) -> bool:
+        """Whether an entry is in the form this engine stores (the fingerprint says
+        so already; this catches an entry forged under it)."""
+        if store is self.prefix_store or self.precision == "model":
+            expected = {dtype_name(self.loaded.dtype)}
+        elif self.precision == "float16":
+            expected = {"float16", "bfloat16"}  # bfloat16: an entry beyond float16's range
+        else:
+            expected = {self.precision}
+        return kv.precision in expected
 
     def encode_missing(self, missing: dict[str, Miss]) -> dict[str, ChunkKV]:
         """Encode and store ``missing`` now (a lazy fill: a failed write only logs)."""

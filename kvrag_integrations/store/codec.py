@@ -92,9 +92,7 @@ def store_secret(secret: str | bytes | None = None) -> bytes | None:
 
 def _payload(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, in memory order, without a copy."""
-    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: same bits as int16
-        tensor = tensor.view(torch.int16)
-    return memoryview(tensor.numpy()).cast("B")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # any dtype, even empty
 
 
 def _described(item: torch.Tensor | _Slice) -> tuple[torch.dtype, tuple[int, ...], memoryview]:
