@@ -23,7 +23,11 @@ def engine() -> KVRAGEngine:
     strategy and exactness tests compare strategies on chunks they did not
     encode first. Tests of the default (``"defer"``: plain prefill, background
     encoding) build their own engine on ``engine.loaded``.
+
+    Chunk caches are stored at model precision (``cache_precision="model"``):
+    exactness tests compare reuse against full prefill with float32 tolerances.
     """
     shared = KVRAGEngine.shared()
     shared.on_miss = "encode"
+    shared.cache_precision = "model"
     return shared

@@ -13,8 +13,8 @@ import chromadb
 import pytest
 
 from kvrag_integrations import KVRAGEngine
+from kvrag_integrations.chunk_kv import ChunkKV, storage_fingerprint
 from kvrag_integrations.cli import main
-from kvrag_integrations.engine.kv import ChunkKV
 from kvrag_integrations.store import DiskKVStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,13 +142,14 @@ def test_reingest_is_idempotent_and_replaces_changed_files(capsys, ws: Workspace
 def test_store_stats_verify_and_prune(capsys, ws: Workspace, engine: KVRAGEngine) -> None:
     chunks = int(ingest(capsys, ws, "--no-progress")["chunks"])
     store = DiskKVStore(ws.kv)
-    mine = store.get(next(store.keys()), engine.fingerprint)
+    fingerprint = storage_fingerprint(engine.loaded.fingerprint, "float16")  # the CLI's default
+    mine = store.get(next(store.keys()), fingerprint)
     foreign = ChunkKV(mine.token_ids, mine.keys, mine.values, "another-model")
     store.put(foreign)
 
     code, out, _ = kvrag(capsys, "store", "stats", *ws.store)
     assert code == 0 and f"entries {chunks + 1}" in out
-    assert f"fingerprint {engine.fingerprint}: {chunks}" in out
+    assert f"fingerprint {fingerprint}: {chunks}" in out
     assert "fingerprint another-model: 1" in out
 
     victim = next(k for k in list(store.keys()) if k != foreign.key)

@@ -95,8 +95,9 @@ def test_turbo_reuses_chunk_tokens_and_reports_counts(engine: KVRAGEngine) -> No
 def test_prefix_caching_is_exact(engine: KVRAGEngine) -> None:
     """Caching the text before the first chunk changes nothing but the work done."""
     kw = dict(question=QUESTION, chunks=[TOWER, REEF], strategy="turbo")
-    plain = KVRAGEngine(engine.loaded, store=MemoryKVStore(), cache_prefix=False, on_miss="encode")
-    cached = KVRAGEngine(engine.loaded, store=MemoryKVStore(), on_miss="encode")
+    exact = dict(on_miss="encode", cache_precision="model")
+    plain = KVRAGEngine(engine.loaded, store=MemoryKVStore(), cache_prefix=False, **exact)
+    cached = KVRAGEngine(engine.loaded, store=MemoryKVStore(), **exact)
     first = cached.prefill(**kw)
     assert first.lazily_encoded_chunks == 2  # the leading text is not counted as a chunk
     again = cached.prefill(**kw)
@@ -153,9 +154,9 @@ def test_lazy_fill_counts_as_not_reused(engine: KVRAGEngine) -> None:
 
 def test_batched_encoding_equals_encoding_alone(engine: KVRAGEngine) -> None:
     store = MemoryKVStore()
-    batched = KVRAGEngine(engine.loaded, store=store)
+    batched = KVRAGEngine(engine.loaded, store=store, cache_precision="model")
     refs = batched.encode_chunks([TOWER, REEF, "Short one."], batch_size=3, show_progress=False)
-    alone = KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    alone = KVRAGEngine(engine.loaded, store=MemoryKVStore(), cache_precision="model")
     alone.encode_chunks([REEF], batch_size=1, show_progress=False)
     a = store.get(refs[1].key, engine.fingerprint)
     b = alone.store.get(refs[1].key, engine.fingerprint)
@@ -186,7 +187,7 @@ def test_disk_store_survives_a_new_engine_and_rejects_corruption(engine, tmp_pat
     assert result.lazily_encoded_chunks == 1  # the corrupt entry was a miss
     assert again.store.stats.rejected == 1
     torch.testing.assert_close(result.first_token_logits, good.first_token_logits)
-    assert again.store.get(ref.key, engine.fingerprint) is not None  # overwritten
+    assert again.store.get(ref.key, again.fingerprint) is not None  # overwritten
 
 
 def test_foreign_fingerprint_entry_is_never_used(engine: KVRAGEngine) -> None:
@@ -403,7 +404,8 @@ def test_same_weights_loaded_twice_are_named_and_one_engine_is_shared(engine, ca
     try:
         with caplog.at_level(logging.WARNING, logger="kvrag_integrations.engine.engine"):
             second = KVRAGEngine.from_pretrained(dtype="float32")
-        assert second.fingerprint == engine.fingerprint and second.model is not engine.model
+        assert second.loaded.fingerprint == engine.loaded.fingerprint
+        assert second.model is not engine.model
         assert "loaded twice" in caplog.text
         assert repr(second) in caplog.text and caplog.text.count("<KVRAGEngine") == 2
         # from_pretrained registered it: the default engine for that model is this one.

@@ -97,8 +97,10 @@ def index(engine: KVRAGEngine) -> VectorStoreIndex:
 
 @pytest.fixture()
 def disk_engine(engine: KVRAGEngine, tmp_path: Path) -> KVRAGEngine:
-    """Same weights, its own on-disk store, an empty chunk index; lazy fills on the request path."""
-    return KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path / "kv"), on_miss="encode")
+    """Same weights, its own on-disk store, an empty chunk index; lazy fills on the request
+    path; caches at model precision (its answers are compared with the session engine's)."""
+    store = DiskKVStore(tmp_path / "kv")
+    return KVRAGEngine(engine.loaded, store=store, on_miss="encode", cache_precision="model")
 
 
 def ask(index: VectorStoreIndex, llm: KVRAGLLM, question: str = QUESTION, **kw: Any) -> Any:
@@ -387,7 +389,7 @@ def test_hooks_note_nodes_per_request(engine, disk_engine) -> None:
     """A synthesizer handed nodes directly (no retriever) still reuses their caches."""
     node = TextNode(text=DOCS[2][1], metadata={"title": DOCS[2][0]})
     KVCacheTransform(disk_engine)([node])
-    restarted = KVRAGEngine(engine.loaded, store=disk_engine.store)
+    restarted = KVRAGEngine(engine.loaded, store=disk_engine.store, cache_precision="model")
     llm = KVRAGLLM(restarted, strategy="turbo", max_new_tokens=4)
     synthesize = get_response_synthesizer(llm=llm).synthesize
 

@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError, StoreWriteError
 from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore, decode_entry, encode_entry
 from kvrag_integrations.store.codec import FORMAT_VERSION, _checksum

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import StoreURLError
 from kvrag_integrations.store import (
     DiskKVStore,

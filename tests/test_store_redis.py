@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvrag_integrations import KVRAGEngine, RedisKVStore, TieredKVStore
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store.codec import encode_entry
 from kvrag_integrations.store.redis import _MANIFEST_MAGIC
@@ -321,3 +321,16 @@ def test_tiered_over_redis_promotes_shared_entries(engine: KVRAGEngine, store: R
         result = reader.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=2)
         assert result.lazily_encoded_chunks == 0
     assert tiered.tier_stats["backend"]["hits"] == 1 and tiered.tier_stats["memory"]["hits"] == 1
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "int8", "model"])
+def test_round_trip_per_storage_precision(store: RedisKVStore, precision: str) -> None:
+    kv = make_kv(n=24).stored_as(precision)
+    store.put(kv)
+    got = store.get(kv.key, FP)
+    assert got is not None and got.precision == kv.precision
+    for name, tensor in kv.tensors().items():
+        other = got.tensors()[name]
+        assert other.dtype == tensor.dtype and torch.equal(other, tensor), name
+    keys = got.to("cpu", torch.float32).keys
+    assert keys.dtype == torch.float32 and torch.allclose(keys, kv.to("cpu", torch.float32).keys)

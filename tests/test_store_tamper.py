@@ -13,7 +13,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.engine.segments import Chunk
 from kvrag_integrations.errors import CacheEntryError
 from kvrag_integrations.store import DiskKVStore, decode_entry, encode_entry

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvrag_integrations import DiskKVStore, KVRAGEngine, StoreWriteError, TieredKVStore
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 
 FP = "fp-test"
 

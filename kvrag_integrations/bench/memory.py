@@ -1,13 +1,13 @@
 """What stored chunk caches cost: bytes per token and per chunk, and read throughput.
 
-The stores keep a ``ChunkKV`` in whatever dtype it was put in, and the engine
-casts it to the model's dtype when it reads it; there is no storage-dtype
-option, so each storage dtype here (float32, float16, bfloat16) is made by
-casting the engine's own caches before storing them. Per dtype the suite
+The engine stores chunk caches in its ``cache_precision`` (float16 by default,
+bfloat16, int8, or the model's dtype) and casts them to the model's dtype when
+it reads them. Per storage form (float32, float16, bfloat16, int8) the suite
 reports the stored entry size (``store.codec`` safetensors bytes, which disk
-and Redis write) per token and per chunk, against the raw K/V size, and the
-fidelity cost of storing in it: the first-token KL of turbo answers built from
-the cast caches against turbo from caches in the model's dtype. Then the read
+and Redis write) per token and per chunk, against the K/V bytes held (int8:
+codes plus scales), and the fidelity cost of storing in it: the first-token KL
+of turbo answers from an engine storing in that precision against one storing
+at the model's precision. Then the read
 throughput of each store (``get`` of every entry, verified), in MB/s of
 stored bytes and chunks/s: the in-process LRU (no copy), the disk store (warm
 OS page cache) and Redis when a ``redis-server`` binary is found (started here
@@ -34,11 +34,11 @@ import torch
 
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, timed
 from kvrag_integrations.bench.metrics import kl_divergence
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import PRECISIONS, ChunkKV, dtype_name
 from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore
 from kvrag_integrations.store.codec import encode_entry
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "int8")
 QUICK = {"n_chunks": 3, "chunk_tokens": 16, "repeats": 1, "questions": 1}
 
 
@@ -89,11 +89,23 @@ def _stores(workdir: Path, redis_url: str | None) -> Iterator[tuple[str, KVStore
         yield "redis", RedisKVStore(redis_url, prefix="bench:", socket_timeout=10.0)
 
 
-def sizes(kvs: list[ChunkKV], dtype: torch.dtype) -> dict[str, float]:
-    """Stored bytes per token and per chunk of ``kvs`` cast to ``dtype``."""
-    cast = [kv.to("cpu", dtype) for kv in kvs]
+def _stored(kv: ChunkKV, name: str) -> ChunkKV:
+    """``kv`` (model precision) in storage form ``name`` (a float dtype or ``int8``)."""
+    return kv.stored_as("int8") if name == "int8" else kv.to("cpu", getattr(torch, name))
+
+
+def _precision(engine: Any, name: str) -> str | None:
+    """The ``cache_precision`` that stores in form ``name`` (None: none does)."""
+    if name == dtype_name(engine.loaded.dtype):
+        return "model"
+    return name if name in PRECISIONS else None
+
+
+def sizes(kvs: list[ChunkKV], name: str) -> dict[str, float]:
+    """Stored bytes per token and per chunk of ``kvs`` in storage form ``name``."""
+    cast = [_stored(kv, name) for kv in kvs]
     stored = [len(encode_entry(kv)) for kv in cast]
-    raw = [kv.keys.numel() * kv.keys.element_size() * 2 for kv in cast]
+    raw = [kv.nbytes - kv.token_ids.numel() * 8 for kv in cast]  # K/V (+ scales) held
     tokens = sum(kv.num_tokens for kv in cast)
     return {
         "bytes_per_token": sum(stored) / tokens,
@@ -103,21 +115,26 @@ def sizes(kvs: list[ChunkKV], dtype: torch.dtype) -> dict[str, float]:
     }
 
 
-def fidelity(
-    engine: Any, kvs: list[ChunkKV], dtype: torch.dtype, questions: list[str], chunks: list[str]
-) -> float:
-    """Mean first-token KL of turbo from ``dtype``-stored caches vs model-dtype caches."""
+def fidelity(engine: Any, name: str, questions: list[str], chunks: list[str]) -> float | None:
+    """Mean first-token KL of turbo from caches stored as ``name`` vs model-precision
+    caches (None when no ``cache_precision`` stores as ``name``)."""
     from kvrag_integrations.engine.engine import KVRAGEngine
 
-    store = MemoryKVStore(max_bytes=None)
-    for kv in kvs:
-        store.put(kv.to("cpu", dtype))
-    cast_engine = KVRAGEngine(engine.loaded, store=store, on_miss="encode")  # never a fallback
+    precision = _precision(engine, name)
+    if precision is None:
+        return None
+
+    def make(p: str) -> Any:
+        e = KVRAGEngine(engine.loaded, store=MemoryKVStore(max_bytes=None), cache_precision=p)
+        e.encode_chunks(chunks, show_progress=False)
+        return e
+
+    reference, cast_engine = make("model"), make(precision)
     kls = []
     for q in questions:
-        ref = engine.prefill(question=q, chunks=chunks, strategy="turbo").logits
+        ref = reference.prefill(question=q, chunks=chunks, strategy="turbo").logits
         got = cast_engine.prefill(question=q, chunks=chunks, strategy="turbo")
-        if got.lazily_encoded_chunks:
+        if got.fallback or got.lazily_encoded_chunks:
             raise RuntimeError("a cast cache was missing: the comparison would be void")
         kls.append(kl_divergence(ref, got.logits))
     return statistics.mean(kls)
@@ -154,8 +171,11 @@ def run(
     chunks = chunk_pool(engine.tokenizer, items, chunk_tokens)[:n_chunks]
     if not chunks:
         raise ValueError(f"no passage has {chunk_tokens} tokens")
-    engine.encode_chunks(chunks, show_progress=False)
-    kvs = [engine.store.get(engine.chunk_key(c), engine.fingerprint) for c in chunks]
+    from kvrag_integrations.engine.engine import KVRAGEngine
+
+    full = KVRAGEngine(engine.loaded, store=MemoryKVStore(max_bytes=None), cache_precision="model")
+    full.encode_chunks(chunks, show_progress=False)
+    kvs = [full.store.get(full.chunk_key(c), full.fingerprint) for c in chunks]
     if any(kv is None for kv in kvs):
         raise RuntimeError("the engine's store evicted a chunk the benchmark just encoded")
     kvs = [kv.to("cpu") for kv in kvs]
@@ -163,9 +183,8 @@ def run(
     prompt_chunks = chunks[: min(len(chunks), 8)]
     per_dtype = []
     for name in dtypes:
-        dtype = getattr(torch, name)
-        row = {"dtype": name, **sizes(kvs, dtype)}
-        row["turbo_kl_vs_model_dtype"] = fidelity(engine, kvs, dtype, qs, prompt_chunks)
+        row = {"dtype": name, **sizes(kvs, name)}
+        row["turbo_kl_vs_model_dtype"] = fidelity(engine, name, qs, prompt_chunks)
         per_dtype.append(row)
     binary = find_redis_server() if redis else None
     reads = []
@@ -173,8 +192,8 @@ def run(
         url = stack.enter_context(redis_server(binary, Path(tmp))) if binary else None
         for store_name, store in _stores(Path(tmp), url):
             for name in dtypes:
-                cast = [kv.to("cpu", getattr(torch, name)) for kv in kvs]
-                speed = read_throughput(store, cast, engine.fingerprint, repeats)
+                cast = [_stored(kv, name) for kv in kvs]
+                speed = read_throughput(store, cast, full.fingerprint, repeats)
                 reads.append({"store": store_name, "dtype": name, **speed})
                 for kv in cast:
                     store.delete(kv.key)
@@ -200,7 +219,9 @@ def table(payload: dict[str, Any]) -> str:
             round(r["kv_bytes_per_token"]),
             f"{r['bytes_per_chunk'] / 1e6:.2f}",
             f"{r['overhead'] * 100:.2f}%",
-            f"{r['turbo_kl_vs_model_dtype']:.2e}",
+            "n/a"
+            if r["turbo_kl_vs_model_dtype"] is None
+            else f"{r['turbo_kl_vs_model_dtype']:.2e}",
         ]
         for r in payload["results"]
     ]

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvrag_integrations.chunk_kv import PRECISIONS
 from kvrag_integrations.errors import KVRAGError
 from kvrag_integrations.store import KVStore
 from kvrag_integrations.store.url import STORE_URL_FORMS, open_store
@@ -30,11 +31,18 @@ def add_store_option(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """``--model`` and ``--device``: the model whose caches are made or used."""
+    """``--model``, ``--device`` and ``--cache-precision``: the model whose caches are
+    made or used, and how they are stored."""
     parser.add_argument(
         "--model", default=None, help="HF id, local path or .gguf (default: bundled SmolLM2)"
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, auto (default: cpu)")
+    parser.add_argument(
+        "--cache-precision",
+        default="float16",
+        choices=PRECISIONS,
+        help="how chunk caches are stored (default: float16; model = full precision)",
+    )
 
 
 def add_chroma_options(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +72,8 @@ def engine_from(args: argparse.Namespace, store: KVStore) -> Any:
     from kvrag_integrations.engine.engine import KVRAGEngine
 
     base = KVRAGEngine.shared(args.model, device=args.device)
-    return KVRAGEngine(base.loaded, store=store)
+    precision = getattr(args, "cache_precision", "float16")
+    return KVRAGEngine(base.loaded, store=store, cache_precision=precision)
 
 
 def chroma_client(args: argparse.Namespace, *, create: bool) -> Any:

@@ -10,8 +10,14 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from kvrag_integrations.chunk_kv import (
+    ChunkKV,
+    cache_key,
+    check_precision,
+    dtype_name,
+    storage_fingerprint,
+)
 from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.kv import ChunkKV, cache_key
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.results import ChunkRef
 from kvrag_integrations.engine.segments import TokenizedPrompt, tokenize_text, validate_chunk_text
@@ -30,6 +36,13 @@ class ChunkCaches:
     template header, instruction): a few entries per template, kept in process.
     ``index`` remembers chunk texts seen here, to find them inside flat prompts.
 
+    Chunk caches are stored in ``precision`` (see ``KVRAGEngine``): converted
+    right after encoding, before any ``store.put``, and keyed and checked by
+    ``fingerprint`` (the model's plus the precision), so engines storing
+    differently never read each other's entries. Leading-text caches in
+    ``prefix_store`` stay at model precision. ``on_device`` gives every cache in
+    the model's dtype on its device.
+
     Examples:
         >>> from kvrag_integrations import KVRAGEngine
         >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
@@ -38,8 +51,15 @@ class ChunkCaches:
         True
     """
 
-    def __init__(self, loaded: LoadedModel, store: KVStore, lock: threading.RLock) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        store: KVStore,
+        lock: threading.RLock,
+        precision: str = "float16",
+    ) -> None:
         self.loaded = loaded
+        self.precision = check_precision(precision)
         self.store = store
         self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
         self.index = ChunkIndex()
@@ -47,7 +67,8 @@ class ChunkCaches:
 
     @property
     def fingerprint(self) -> str:
-        return self.loaded.fingerprint
+        """The storage fingerprint: the model's plus the storage precision."""
+        return storage_fingerprint(self.loaded.fingerprint, self.precision)
 
     def key(self, text: str) -> str:
         """The store key the chunk ``text`` has under this model."""
@@ -97,6 +118,9 @@ class ChunkCaches:
     ) -> dict[str, ChunkKV]:
         """Encode ``ids`` alone (batched, longest first) and write them to ``store``.
 
+        Chunk caches are converted to the storage precision first (the returned
+        caches too, so a lazily encoded chunk answers as a stored one would);
+        ``prefix_store`` entries stay at model precision.
         Ingestion raises ``StoreWriteError`` when a write fails. A lazy fill
         (``lazy``: chunks missing at query time) only logs it and returns the
         caches: the answer matters more than storing them.
@@ -116,6 +140,8 @@ class ChunkCaches:
                 with self._lock:
                     kvs = encode_chunk_batch(self.loaded.model, batch, self.fingerprint, pad_id)
                 for kv in kvs:
+                    if store is not self.prefix_store:
+                        kv = kv.stored_as(self.precision)
                     done[kv.key] = kv
                     try:
                         if writable:  # after one failure, don't wait on every other put
@@ -144,8 +170,8 @@ class ChunkCaches:
             kv = store.get(key, self.fingerprint)
             if not piece.is_prefix:
                 self.index.add(piece.text)
-            if kv is not None and not self.fits_layout(kv):
-                logger.warning("cache entry %s has the wrong shape for this model", key[:16])
+            if kv is not None and not (self.fits_layout(kv) and self.fits_precision(kv, store)):
+                logger.warning("cache entry %s has the wrong shape or precision", key[:16])
                 store.delete(key)
                 kv = None
             if kv is None:
@@ -160,6 +186,17 @@ class ChunkCaches:
         layout = self.loaded.layout
         layers, heads, _, head_dim = kv.keys.shape
         return (layers, heads, head_dim) == (layout.num_layers, layout.kv_heads, layout.head_dim)
+
+    def fits_precision(self, kv: ChunkKV, store: KVStore) -> bool:
+        """Whether an entry is in the form this engine stores (the fingerprint says
+        so already; this catches an entry forged under it)."""
+        if store is self.prefix_store or self.precision == "model":
+            expected = {dtype_name(self.loaded.dtype)}
+        elif self.precision == "float16":
+            expected = {"float16", "bfloat16"}  # bfloat16: an entry beyond float16's range
+        else:
+            expected = {self.precision}
+        return kv.precision in expected
 
     def encode_missing(self, missing: dict[str, Miss]) -> dict[str, ChunkKV]:
         """Encode and store ``missing`` now (a lazy fill: a failed write only logs)."""
@@ -181,7 +218,8 @@ class ChunkCaches:
                 self.encode_and_store(todo, len(todo), False, store, lazy=True)
 
     def on_device(self, prompt: TokenizedPrompt, found: dict[str, ChunkKV]) -> list[ChunkKV]:
-        """The prompt's chunk caches in chunk order, on the model's device and dtype."""
+        """The prompt's chunk caches in chunk order, on the model's device and dtype
+        (cast or dequantized from their storage form there)."""
         dtype, device = self.loaded.dtype, self.loaded.device
         keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
         return [found[k].to(device, dtype) for k in keys]

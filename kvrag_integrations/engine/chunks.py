@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 
 
 def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.engine import registry
 from kvrag_integrations.engine.background import BackgroundEncoder
 from kvrag_integrations.engine.chunk_caches import ChunkCaches
@@ -67,6 +68,7 @@ class KVRAGEngine:
         cache_prefix: bool = True,
         on_miss: str = "defer",
         max_pending: int = 256,
+        cache_precision: str = "float16",
     ) -> None:
         """Wrap a loaded model.
 
@@ -80,18 +82,26 @@ class KVRAGEngine:
                 ``"encode"`` encodes them on the request path, then reuses them.
             max_pending: the most chunks queued for background encoding (more
                 are dropped: a later request defers them again).
+            cache_precision: how chunk caches are stored: ``"float16"`` (default;
+                an entry with a value beyond float16's range is stored as
+                bfloat16), ``"bfloat16"``, ``"int8"`` (KIVI-style: keys quantized
+                per channel, values per token, float16 scales; about a quarter of
+                float32) or ``"model"`` (the compute dtype: full precision, what
+                exactness tests use). Caches are cast back to the compute dtype on
+                read. The precision is part of the entries' fingerprint
+                (``fingerprint``): engines that store differently never read each
+                other's entries, even in one shared store.
         """
         self.loaded = loaded
         self.cache_prefix = cache_prefix
         self.on_miss = _check_on_miss(on_miss)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.fingerprint = loaded.fingerprint
         # One forward at a time: torch modules are not re-entrant across threads
         # on shared buffers, and interleaving would only slow each request down.
         self._lock = threading.RLock()
         self.caches = ChunkCaches(
-            loaded, store if store is not None else MemoryKVStore(), self._lock
+            loaded, store if store is not None else MemoryKVStore(), self._lock, cache_precision
         )
         self.encoder = BackgroundEncoder(self.caches.encode_jobs, max_pending=max_pending)
         registry.note_engine(self)
@@ -112,6 +122,7 @@ class KVRAGEngine:
         trust_remote_code: bool = False,
         attn_implementation: str | None = None,
         share: bool | None = None,
+        cache_precision: str = "float16",
         **engine_options: Any,
     ) -> KVRAGEngine:
         """Load a model (HF id, local path, ``.gguf`` file; None = bundled SmolLM2).
@@ -131,6 +142,9 @@ class KVRAGEngine:
                 built without an engine use): ``None`` (default) if none is
                 registered yet, ``True`` replacing any, ``False`` never. An engine
                 with an adapter is never registered by default.
+            cache_precision: how chunk caches are stored: ``"float16"`` (default),
+                ``"bfloat16"``, ``"int8"`` or ``"model"`` (full precision); see
+                ``KVRAGEngine``.
             **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending`` (see
                 ``KVRAGEngine``).
         """
@@ -142,7 +156,7 @@ class KVRAGEngine:
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
         )
-        engine = cls(loaded, store=store, **engine_options)
+        engine = cls(loaded, store=store, cache_precision=cache_precision, **engine_options)
         if share or (share is None and adapter is None):
             registry.register_shared(
                 registry.shared_key(model, device, dtype), engine, replace=bool(share)
@@ -171,6 +185,22 @@ class KVRAGEngine:
         )
 
     # ----------------------------------------------------------------- facts
+    @property
+    def fingerprint(self) -> str:
+        """What chunk caches are keyed and checked by: the model's fingerprint
+        (``loaded.fingerprint``) plus ``cache_precision``."""
+        return self.caches.fingerprint
+
+    @property
+    def cache_precision(self) -> str:
+        """How chunk caches are stored (see ``KVRAGEngine``); assignable: entries
+        stored in another precision are then simply other keys."""
+        return self.caches.precision
+
+    @cache_precision.setter
+    def cache_precision(self, precision: str) -> None:
+        self.caches.precision = check_precision(precision)
+
     @property
     def model_name(self) -> str:
         return self.loaded.name

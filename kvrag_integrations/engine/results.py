@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.engine.generate import GenerationResult
-from kvrag_integrations.engine.kv import cache_key
 from kvrag_integrations.engine.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies import PrefillOutput
 

@@ -8,7 +8,7 @@ Examples:
 
 from __future__ import annotations
 
-from kvrag_integrations.engine.kv import CACHE_KEY_FIELD
+from kvrag_integrations.chunk_kv import CACHE_KEY_FIELD
 from kvrag_integrations.langchain.chat_model import ChatKVRAG
 from kvrag_integrations.langchain.compressor import KVRerankCompressor
 from kvrag_integrations.langchain.embeddings import MiniLMEmbeddings

@@ -13,7 +13,7 @@ See ``docs/llama_index.md``.
 
 from __future__ import annotations
 
-from kvrag_integrations.engine.kv import CACHE_KEY_FIELD
+from kvrag_integrations.chunk_kv import CACHE_KEY_FIELD
 from kvrag_integrations.llama_index.embedding import MiniLMEmbedding
 from kvrag_integrations.llama_index.hooks import (
     install_hooks,

@@ -8,7 +8,7 @@ from typing import Any
 
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
-from kvrag_integrations.engine.kv import CACHE_KEY_FIELD
+from kvrag_integrations.chunk_kv import CACHE_KEY_FIELD
 from kvrag_integrations.errors import ContextWindowExceededError, InvalidChunkError
 
 logger = logging.getLogger(__name__)

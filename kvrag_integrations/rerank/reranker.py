@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from kvrag_integrations.chunk_kv import ChunkKV, cache_key
 from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.kv import ChunkKV, cache_key
 from kvrag_integrations.errors import UnsupportedModelError
 from kvrag_integrations.rerank.templates import (
     UPR_TEMPLATE,

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError, StoreWriteError
 from kvrag_integrations.store.base import EntryInfo, KVStore
 from kvrag_integrations.store.codec import (
@@ -56,7 +56,7 @@ class DiskKVStore(KVStore):
 
     Examples:
         >>> import tempfile, torch
-        >>> from kvrag_integrations.engine.kv import ChunkKV
+        >>> from kvrag_integrations.chunk_kv import ChunkKV
         >>> kv = ChunkKV(torch.arange(3), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), "fp")
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     store = DiskKVStore(tmp)
@@ -237,8 +237,11 @@ def _read_head(fd: int, size: int) -> bytes:
     return first8 + _read_exactly(fd, header_len)
 
 
-def read_entry_file(path: Path) -> bytes:
+def read_entry_file(path: Path) -> bytearray:
     """An entry file's bytes, read safely: a regular file, no more than its header declares.
+
+    The bytes are read straight into one preallocated ``bytearray`` (no joined
+    copy), which ``decode_entry`` then builds its tensors over.
 
     Raises:
         FileNotFoundError: no such file (a miss).
@@ -250,7 +253,17 @@ def read_entry_file(path: Path) -> bytes:
         total = entry_size(head)
         if total != size:
             raise CacheEntryError(f"entry declares {total} bytes but the file has {size}")
-        return head + _read_exactly(fd, total - len(head))
+        data = bytearray(total)
+        data[: len(head)] = head
+        view, done = memoryview(data), len(head)
+        while done < total:
+            n = os.readv(fd, [view[done:]])
+            if n == 0:
+                break
+            done += n
+        if done != total:
+            raise CacheEntryError(f"entry file shrank while read: {done} of {total} bytes")
+        return data
     finally:
         os.close(fd)
 

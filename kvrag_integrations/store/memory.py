@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.store.base import EntryInfo, KVStore
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class MemoryKVStore(KVStore):
 
     Examples:
         >>> import torch
-        >>> from kvrag_integrations.engine.kv import ChunkKV
+        >>> from kvrag_integrations.chunk_kv import ChunkKV
         >>> kv = ChunkKV(torch.arange(3), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), "fp")
         >>> store = MemoryKVStore(max_bytes=1 << 20)
         >>> key = store.put(kv)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError, StoreWriteError
 from kvrag_integrations.store.base import EntryInfo, KVStore
 from kvrag_integrations.store.codec import (
@@ -75,7 +75,7 @@ class RedisKVStore(KVStore):
 
     Examples:
         >>> import torch
-        >>> from kvrag_integrations.engine.kv import ChunkKV
+        >>> from kvrag_integrations.chunk_kv import ChunkKV
         >>> kv = ChunkKV(torch.arange(3), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), "fp")
         >>> store = RedisKVStore("redis://127.0.0.1:6379/0", ttl_s=3600)  # doctest: +SKIP
         >>> key = store.put(kv)  # doctest: +SKIP

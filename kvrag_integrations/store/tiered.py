@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import torch
 
-from kvrag_integrations.engine.kv import ChunkKV
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.store.base import EntryInfo, KVStore
 from kvrag_integrations.store.memory import MemoryKVStore
 
@@ -35,7 +35,7 @@ class TieredKVStore(KVStore):
 
     Examples:
         >>> import tempfile, torch
-        >>> from kvrag_integrations.engine.kv import ChunkKV
+        >>> from kvrag_integrations.chunk_kv import ChunkKV
         >>> from kvrag_integrations.store import DiskKVStore
         >>> kv = ChunkKV(torch.arange(3), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), "fp")
         >>> with tempfile.TemporaryDirectory() as tmp:

@@ -34,7 +34,7 @@ def gemma_file() -> Path:
 
 @pytest.fixture(scope="module")
 def gemma(gemma_file: Path) -> KVRAGEngine:
-    return KVRAGEngine.from_pretrained(str(gemma_file))
+    return KVRAGEngine.from_pretrained(str(gemma_file), cache_precision="model")  # exactness
 
 
 def first_logits(engine: KVRAGEngine, strategy: str, segments, **options) -> torch.Tensor:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.engine.forward import PromptKV
-from kvrag_integrations.engine.kv import ChunkKV
 from kvrag_integrations.engine.segments import TokenizedPrompt
 
 if TYPE_CHECKING:

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.engine.chunks import cache_layers
 from kvrag_integrations.engine.forward import PromptKV
-from kvrag_integrations.engine.kv import ChunkKV
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy

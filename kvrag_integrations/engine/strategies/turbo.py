@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.engine.forward import run_tokens
-from kvrag_integrations.engine.kv import ChunkKV
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput
