@@ -18,6 +18,7 @@ from kvrag_integrations.chunk_kv import (
     storage_fingerprint,
 )
 from kvrag_integrations.engine.chunks import encode_chunk_batch
+from kvrag_integrations.engine.loader import ChunkLoader
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.results import ChunkRef
 from kvrag_integrations.engine.segments import TokenizedPrompt, tokenize_text, validate_chunk_text
@@ -63,6 +64,7 @@ class ChunkCaches:
         self.store = store
         self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
         self.index = ChunkIndex()
+        self.loader = ChunkLoader()
         self._lock = lock  # the engine's: one forward at a time
 
     @property
@@ -74,6 +76,22 @@ class ChunkCaches:
         """The store key the chunk ``text`` has under this model."""
         validate_chunk_text(text)
         return cache_key(self.fingerprint, tokenize_text(self.loaded.tokenizer, text))
+
+    def prefetch(self, texts: Sequence[str]) -> int:
+        """Start reading the stored caches of chunk ``texts`` (see ``ChunkLoader``).
+
+        Returns how many reads started: none for a store that answers from
+        memory, for texts already staged, or for texts that are not valid chunks.
+        """
+        if not self.store.parallel_reads:
+            return 0
+        keys = []
+        for text in texts:
+            try:
+                keys.append(self.key(text))
+            except (TypeError, ValueError):  # not a chunk we could have stored
+                continue
+        return self.loader.prefetch(self.store, self.fingerprint, keys)
 
     def encode(
         self,
@@ -162,12 +180,15 @@ class ChunkCaches:
         """
         found: dict[str, ChunkKV] = {}
         missing: dict[str, Miss] = {}
-        for piece in prompt.chunk_pieces:
-            key = cache_key(self.fingerprint, piece.ids)
+        pieces = [(cache_key(self.fingerprint, p.ids), p) for p in prompt.chunk_pieces]
+        stored = self.loader.get_many(
+            self.store, self.fingerprint, [k for k, p in pieces if not p.is_prefix]
+        )
+        for key, piece in pieces:
             if key in found or key in missing:
                 continue
             store = self.prefix_store if piece.is_prefix else self.store
-            kv = store.get(key, self.fingerprint)
+            kv = store.get(key, self.fingerprint) if piece.is_prefix else stored[key]
             if not piece.is_prefix:
                 self.index.add(piece.text)
             if kv is not None and not (self.fits_layout(kv) and self.fits_precision(kv, store)):

@@ -249,6 +249,18 @@ class KVRAGEngine:
         """The store key the chunk ``text`` has under this model."""
         return self.caches.key(text)
 
+    def prefetch(self, chunks: Sequence[str]) -> int:
+        """Start loading the stored caches of ``chunks`` before the request that needs them.
+
+        The adapters call it when a retriever returns its documents, so a disk or
+        Redis read overlaps with what the framework does before calling the LLM.
+        Never changes an answer; reads nobody takes expire (``caches.loader``).
+
+        Returns:
+            How many reads started (0 for an in-memory store).
+        """
+        return self.caches.prefetch(chunks)
+
     def encode_chunks(
         self,
         chunks: Sequence[str],

@@ -79,3 +79,17 @@ def note_engine(engine: Any) -> None:
                 )
                 break
         _LIVE.add(engine)
+
+
+def prefetch(texts: list[str]) -> None:
+    """Start loading the caches of ``texts`` in every live engine whose store reads
+    from disk or network (what the adapters' retrieval hooks call)."""
+    if not texts:
+        return
+    with _LOCK:
+        engines = [e for e in _LIVE if e.store.parallel_reads]
+    for engine in engines:
+        try:
+            engine.prefetch(texts)
+        except Exception:  # a hint only: a failed prefetch must not fail retrieval
+            logger.debug("prefetch failed", exc_info=True)

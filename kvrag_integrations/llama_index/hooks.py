@@ -42,6 +42,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import BaseNode, NodeWithScore
 
+from kvrag_integrations.engine import registry
 from kvrag_integrations.engine.spans import MAX_RECENT_CHUNKS, ChunkIndex
 from kvrag_integrations.llama_index._nodes import llm_texts
 
@@ -115,6 +116,8 @@ class RetrievalNodesHandler(BaseEventHandler):
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, RetrievalEndEvent):
             note_nodes(event.nodes)
+            # Their caches start loading now, while the framework builds the prompt.
+            registry.prefetch(list(dict.fromkeys(llm_texts(event.nodes))))
 
 
 class SynthesisNodesHandler(BaseSpanHandler[BaseSpan]):

@@ -56,6 +56,10 @@ class KVStore(ABC):
     override ``entries`` with a cheaper listing (the default decodes every entry).
     """
 
+    # Whether a ``get`` waits on I/O (disk, network): the engine then reads a
+    # prompt's entries on several threads, and ahead of time when prefetching.
+    parallel_reads: bool = False
+
     def __init__(self) -> None:
         self.stats = StoreStats()
         self._stats_lock = threading.Lock()

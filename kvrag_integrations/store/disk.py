@@ -65,6 +65,8 @@ class DiskKVStore(KVStore):
         True
     """
 
+    parallel_reads = True
+
     def __init__(self, root: str | os.PathLike[str], *, secret: str | bytes | None = None) -> None:
         super().__init__()
         self.root = Path(root)

@@ -83,6 +83,8 @@ class RedisKVStore(KVStore):
         True
     """
 
+    parallel_reads = True
+
     def __init__(
         self,
         url: str = "redis://localhost:6379/0",

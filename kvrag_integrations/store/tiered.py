@@ -48,6 +48,11 @@ class TieredKVStore(KVStore):
         (1, 1)
     """
 
+    @property
+    def parallel_reads(self) -> bool:  # type: ignore[override]
+        """A memory miss waits on the backend."""
+        return self.backend.parallel_reads
+
     def __init__(
         self,
         backend: KVStore,

@@ -1,0 +1,94 @@
+"""ChunkLoader: concurrent reads and prefetch give exactly what ``store.get`` gives."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrag_integrations.chunk_kv import ChunkKV
+from kvrag_integrations.engine.loader import ChunkLoader
+from kvrag_integrations.store import DiskKVStore, MemoryKVStore
+
+
+def entry(seed: int, n: int = 5) -> ChunkKV:
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 1, n, 4, generator=gen)
+    return ChunkKV(torch.arange(seed, seed + n), keys, keys * 2, "fp")
+
+
+@pytest.fixture()
+def disk(tmp_path: Path) -> tuple[DiskKVStore, list[ChunkKV]]:
+    store = DiskKVStore(tmp_path)
+    kvs = [entry(i) for i in range(6)]
+    for kv in kvs:
+        store.put(kv)
+    return store, kvs
+
+
+def test_get_many_equals_store_get_in_key_order(disk) -> None:
+    store, kvs = disk
+    loader = ChunkLoader(max_workers=3)
+    keys = [kv.key for kv in kvs] + ["0" * 64]  # one miss
+    got = loader.get_many(store, "fp", keys)
+    assert list(got) == keys
+    for kv in kvs:
+        assert torch.equal(got[kv.key].keys, kv.keys)
+        assert torch.equal(got[kv.key].values, kv.values)
+    assert got["0" * 64] is None
+    assert loader.get_many(store, "another-model", [kvs[0].key])[kvs[0].key] is None
+
+
+def test_prefetched_reads_are_taken_not_read_again(disk) -> None:
+    store, kvs = disk
+    loader = ChunkLoader()
+    keys = [kv.key for kv in kvs[:4]]
+    assert loader.prefetch(store, "fp", keys + keys) == 4  # duplicates read once
+    assert loader.prefetch(store, "fp", keys) == 0  # already staged
+    got = loader.get_many(store, "fp", keys)
+    assert loader.taken == 4 and loader.staged == 0
+    assert store.stats.hits == 4  # each entry was read once, by its prefetch
+    assert all(torch.equal(got[kv.key].keys, kv.keys) for kv in kvs[:4])
+
+
+def test_a_corrupt_entry_prefetched_is_a_miss_like_get(disk, tmp_path: Path) -> None:
+    store, kvs = disk
+    path = next(tmp_path.glob(f"??/{kvs[0].key}.safetensors"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    loader = ChunkLoader()
+    loader.prefetch(store, "fp", [kvs[0].key])
+    assert loader.get_many(store, "fp", [kvs[0].key]) == {kvs[0].key: None}
+    assert store.stats.rejected == 1
+
+
+def test_staged_reads_are_bounded_and_expire(disk) -> None:
+    store, kvs = disk
+    loader = ChunkLoader(max_staged=2, ttl_s=0.05)
+    loader.prefetch(store, "fp", [kv.key for kv in kvs[:5]])
+    assert loader.staged == 2 and loader.expired == 3
+    time.sleep(0.1)
+    loader.prefetch(store, "fp", [kvs[5].key])  # an expired read is dropped on the next call
+    assert loader.staged == 1 and loader.expired == 5
+    loader.close()
+    assert loader.staged == 0
+
+
+def test_memory_stores_are_read_inline_and_never_prefetched() -> None:
+    store = MemoryKVStore()
+    kv = entry(0)
+    store.put(kv)
+    loader = ChunkLoader()
+    assert loader.prefetch(store, "fp", [kv.key]) == 0
+    assert loader.get_many(store, "fp", [kv.key])[kv.key] is kv
+    assert loader._pool is None  # no thread was started for a memory store
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        ChunkLoader(max_workers=0)
+    with pytest.raises(ValueError):
+        ChunkLoader(ttl_s=0)
