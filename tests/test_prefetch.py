@@ -61,3 +61,25 @@ def test_llama_index_retrieval_starts_the_loads_the_llm_takes(
     loader = eng.caches.loader
     assert loader.prefetched == 2 and loader.taken == 2 and loader.staged == 0
     assert llm.last_stats["reused_chunk_tokens"] > 0
+
+
+def test_langchain_search_starts_the_loads_the_chat_model_takes(
+    engine: KVRAGEngine, tmp_path: Path
+) -> None:
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from kvrag_integrations.langchain import ChatKVRAG, MiniLMEmbeddings, add_documents
+
+    eng = on_disk(engine, tmp_path)
+    vector_store = InMemoryVectorStore(MiniLMEmbeddings())
+    add_documents(vector_store, CHUNKS, eng, show_progress=False)
+    llm = ChatKVRAG(engine=eng, strategy="turbo", max_tokens=2)
+    docs = vector_store.similarity_search(QUESTION, k=2)  # as an agent's middleware does
+    loader = eng.caches.loader
+    assert loader.prefetched == 2
+    prompt = ChatPromptTemplate.from_template("Context:\n{context}\n\nQuestion: {question}")
+    context = "\n\n".join(d.page_content for d in docs)
+    llm.invoke(prompt.invoke({"context": context, "question": QUESTION}))
+    assert loader.taken == 2 and loader.staged == 0
+    assert llm.last_result.reused_chunk_tokens > 0

@@ -27,6 +27,7 @@ from typing import Any
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 
+from kvrag_integrations.engine import registry
 from kvrag_integrations.engine.spans import MAX_RECENT_CHUNKS, ChunkIndex
 
 _RECENT = ChunkIndex(max_chunks=MAX_RECENT_CHUNKS)
@@ -40,9 +41,11 @@ def recent_chunks() -> ChunkIndex:
 
 
 def record_text(text: object) -> None:
-    """Remember one retrieved text (blank ones are skipped)."""
+    """Remember one retrieved text (blank ones are skipped) and start loading its
+    cache where a store reads from disk or network (``engine.prefetch``)."""
     if isinstance(text, str) and text.strip():
         recent_chunks().add(text)
+        registry.prefetch([text])
 
 
 def searches_recorded() -> bool:
