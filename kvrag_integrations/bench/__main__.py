@@ -3,10 +3,11 @@
 Suites: ``ttft`` (TTFT of every strategy), ``scaling`` (TTFT against the number
 and length of chunks, with the query-only floor), ``quality`` (speed and
 fidelity to full prefill, F1 and log-likelihood against gold), ``rerank``
-(reranker throughput with and without reuse, recall@3), ``peer``
+(reranker throughput with and without reuse, recall@1/@3; one file per ``--scoring``), ``peer``
 (LlamaIndex's HuggingFaceLLM against KVRAGLLM), ``memory`` (stored bytes per
 token and store read throughput), ``cold`` (a request on uncached chunks: KVRAGLLM
-against plain prefill and HuggingFaceLLM). ``all`` runs them in that order on one
+against plain prefill and HuggingFaceLLM), ``stores`` (turbo TTFT from memory, disk
+and Redis per storage precision). ``all`` runs them in that order on one
 loaded model. Each writes ``<suite>.json`` (numbers + machine facts + the
 command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
 ``--quick`` shrinks every suite to a smoke run (a few items, tiny chunks).
@@ -32,6 +33,7 @@ from kvrag_integrations.bench import (
     report,
     rerank,
     scaling,
+    stores,
     ttft,
 )
 from kvrag_integrations.bench.common import (
@@ -50,6 +52,7 @@ SUITES: dict[str, ModuleType] = {
     "peer": peer,
     "memory": memory,
     "cold": cold,
+    "stores": stores,
 }
 
 
@@ -128,6 +131,8 @@ def run_suite(
     payload["command"] = command
     text = module.table(payload)
     out_name = name if args.preset in (None, "default") else f"{name}-{args.preset}"
+    if name == "rerank" and args.scoring:  # one result file per scoring, side by side
+        out_name = f"{out_name}-{args.scoring}"
     path = write_results(args.out, out_name, payload, text)
     pngs = []
     plot = not args.no_plots and args.preset in (None, "default") and hasattr(module, "plot")

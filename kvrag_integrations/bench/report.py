@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvrag_integrations.bench import memory, peer, plots, quality, rerank, scaling, ttft
+from kvrag_integrations.bench import memory, peer, plots, quality, rerank, scaling, stores, ttft
 
 SECTIONS = [
     ("ttft", ttft, "Time to first token by strategy"),
@@ -29,6 +29,9 @@ SECTIONS = [
     ("quality-agreement", quality, "CacheBlend: answer agreement with full as recompute nears 1"),
     ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
+    ("rerank-query_likelihood", rerank, "Reranking by query likelihood (UPR) vs the retriever"),
+    ("rerank-judge", rerank, "Reranking by the yes/no judge vs the retriever"),
+    ("stores", stores, "Turbo from memory, disk and Redis per storage precision"),
     ("memory", memory, "Stored cache size per dtype and store read throughput"),
 ]
 # The PNG files each suite writes next to its JSON (``<name><suffix>.png``).
@@ -89,9 +92,10 @@ def _fmt(value: Any) -> str:
 def readme_block(
     found: dict[str, dict[str, Any]], results: Path | None = None, readme: Path | None = None
 ) -> str:
-    """The README's benchmark summary: TTFT, the peer comparison and quality, when measured."""
+    """The README's benchmark summary: TTFT, the stores, the peer comparison and quality,
+    when measured."""
     parts = []
-    for name in ("ttft", "peer", "quality"):
+    for name in ("ttft", "stores", "peer", "quality"):
         if name in found:
             pics = images(name, results, readme) if results and readme else []
             parts.append(section(name, found[name], pics[:1]).replace("## ", "### ", 1))
