@@ -41,8 +41,9 @@ class ChunkCaches:
     right after encoding, before any ``store.put``, and keyed and checked by
     ``fingerprint`` (the model's plus the precision), so engines storing
     differently never read each other's entries. Leading-text caches in
-    ``prefix_store`` stay at model precision. ``on_device`` gives every cache in
-    the model's dtype on its device.
+    ``prefix_store`` stay at model precision. ``on_device`` moves caches to the
+    model's device in their storage form; the strategies cast them while laying
+    them out.
 
     Examples:
         >>> from kvrag_integrations import KVRAGEngine
@@ -239,17 +240,17 @@ class ChunkCaches:
                 self.encode_and_store(todo, len(todo), False, store, lazy=True)
 
     def on_device(self, prompt: TokenizedPrompt, found: dict[str, ChunkKV]) -> list[ChunkKV]:
-        """The prompt's chunk caches in chunk order, on the model's device and dtype
-        (cast or dequantized from their storage form there)."""
-        dtype, device = self.loaded.dtype, self.loaded.device
+        """The prompt's chunk caches in chunk order, on the model's device, in their
+        storage form (the strategies' assembly casts or dequantizes them)."""
+        device = self.loaded.device
         keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
-        return [found[k].to(device, dtype) for k in keys]
+        return [found[k].to(device) for k in keys]
 
     def for_prompt(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
         """Stored caches of the prompt's chunks; missing ones are encoded and stored.
 
-        Returns the caches in chunk order, on the model's device and dtype, and
-        the keys that were encoded here (lazily).
+        Returns the caches in chunk order, on the model's device (storage form),
+        and the keys that were encoded here (lazily).
         """
         found, missing = self.lookup(prompt)
         found.update(self.encode_missing(missing))

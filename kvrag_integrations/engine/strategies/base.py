@@ -52,7 +52,8 @@ class Strategy(ABC):
     """Builds the prompt's KV cache from the prompt and its chunks' stored caches.
 
     ``chunk_kvs[i]`` is the stored cache of the i-th chunk piece of ``prompt``
-    (already on the model's device and dtype); ``model`` carries the weights
+    (on the model's device, in its storage form: ``reuse.stored_kv`` gives its
+    float K/V, which the assembly casts to the model's dtype); ``model`` carries the weights
     and their :class:`~kvrag_integrations.engine.layout.ModelLayout`. Strategies that prefill
     everything do not need caches and say so with ``uses_chunk_caches = False``.
     """

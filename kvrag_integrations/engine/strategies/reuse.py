@@ -57,8 +57,11 @@ class ChunkReuse(Strategy):
             if piece.is_chunk:
                 chunk = next(chunk_iter)
                 at = next_pos if self.positions == "reordered" else 0
-                layout.shift_keys(chunk.keys, at, out=keys[:, :, span])
-                values[:, :, span] = chunk.values
+                chunk_keys, chunk_values = stored_kv(chunk)
+                # The cast from the storage dtype happens here, in the copy into the
+                # buffer that assembly makes anyway (no float copy of each chunk first).
+                layout.shift_keys(chunk_keys, at, out=keys[:, :, span])
+                values[:, :, span] = chunk_values
                 pos[span] = torch.arange(at, at + n)
                 next_pos = max(next_pos, at + n)
             else:
@@ -69,6 +72,13 @@ class ChunkReuse(Strategy):
         kv = PromptKV(keys, values, pos.to(model.device), prompt.input_ids.to(model.device))
         todo = torch.cat(uncached) if uncached else torch.zeros(0, dtype=torch.long)
         return kv, todo.to(model.device)
+
+
+def stored_kv(chunk: ChunkKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's float K/V in their storage dtype (int8 entries dequantized to float32)."""
+    if chunk.is_quantized:
+        return chunk.dequantize(torch.float32)
+    return chunk.keys, chunk.values
 
 
 def with_last(idx: torch.Tensor, total: int) -> torch.Tensor:
