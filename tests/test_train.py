@@ -88,7 +88,8 @@ def test_one_step_lowers_the_loss_and_the_adapter_round_trips(
     assert trained and all(torch.equal(v, again[k].detach()) for k, v in trained.items())
 
     # on_miss="encode": its chunks are not cached yet, and this compares turbo's logits
-    tuned = KVRAGEngine.from_pretrained(adapter=out, on_miss="encode")
+    # (at model precision: the student saw float32 caches)
+    tuned = KVRAGEngine.from_pretrained(adapter=out, on_miss="encode", cache_precision="model")
     assert tuned.fingerprint != engine.fingerprint
     assert tuned.chunk_key(CHUNKS[0]) != engine.chunk_key(CHUNKS[0])
     # Inference with the merged adapter is what the student saw in training.

@@ -108,7 +108,9 @@ class ModelLayout:
             return next(iter(self.rotary.values())).shift(keys, delta, out=out)
         for layer_type, rotary in self.rotary.items():
             idx = [i for i, t in enumerate(self.layer_types) if t == layer_type]
-            out[idx] = rotary.shift(keys[idx], delta)
+            # In out's dtype: keys may be stored in a narrower one (float16).
+            part = keys.new_empty(keys[idx].shape, dtype=out.dtype)
+            out[idx] = rotary.shift(keys[idx], delta, out=part)
         return out
 
     @classmethod

@@ -169,6 +169,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-4) -> N
     assert diff <= atol, f"max logit diff {diff:.2e}"
 
 
+QUANT = ("key_scale", "key_zero", "value_scale", "value_zero")
 CHUNK_FIRST = ((ids(14, 1), "chunk"), (ids(9, 2), "text"))
 THREE_CHUNKS = (
     (ids(5, 10), "prefix"),
@@ -307,3 +308,21 @@ def test_unverified_families_are_refused(config_name: str, extra: dict, match: s
     with pytest.raises(UnsupportedModelError, match=match) as err:
         ModelLayout.of(lm)
     assert 'strategy="full"' in str(err.value)
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "int8"])
+def test_e_stored_precisions_are_cast_exactly_where_laid_out(
+    model: LoadedModel, precision: str
+) -> None:
+    """Caches in a storage form give turbo exactly what the same values already in
+    float32 give: the cast (or dequantization) in the assembly changes nothing else,
+    for every family's rotary layout (Gemma3: two rotary types)."""
+    prompt = prompt_of(*THREE_CHUNKS)
+    stored = [kv.stored_as(precision) for kv in chunk_kvs(model, prompt)]
+    widened = [
+        dataclasses.replace(kv, keys=k, values=v, **dict.fromkeys(QUANT, None))
+        for kv, (k, v) in ((kv, kv.dequantize(torch.float32)) for kv in stored)
+    ]
+    got = TurboRAG().prefill(model, prompt, stored).logits
+    want = TurboRAG().prefill(model, prompt, widened).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
