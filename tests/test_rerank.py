@@ -29,7 +29,11 @@ ATOL = 1e-3
 
 
 def make(engine, **kwargs) -> KVReranker:
+    """A reranker on a store of its own; the yes/no judge unless ``scoring`` is given
+    (most tests here are about its prompt layout)."""
     kwargs.setdefault("store", MemoryKVStore())
+    if "template" not in kwargs:
+        kwargs.setdefault("scoring", "judge")
     return KVReranker(engine, **kwargs)
 
 
@@ -215,9 +219,23 @@ def test_query_likelihood_is_the_mean_log_prob_of_the_query(engine):
     assert reranker.rerank(QUERY, DOCS, top_n=1)[0][0] == DOCS.index(ANSWER)
 
 
+def test_query_likelihood_is_the_default_unless_a_judging_template_is_given(engine):
+    store = MemoryKVStore()
+    assert KVReranker(engine, store=store).scoring == "query_likelihood"
+    assert KVReranker(engine, store=store).template.name == "upr-v1"
+    assert KVReranker(engine, store=store, template="upr").scoring == "query_likelihood"
+    assert KVReranker(engine, store=store, template="qwen3-reranker").scoring == "judge"
+    assert KVReranker(engine, store=store, template="default").scoring == "judge"
+
+
 def test_small_models_warn_and_scoring_is_checked(engine, caplog):
     with caplog.at_level("WARNING", logger="kvrag_integrations.rerank.reranker"):
         make(engine)
-    assert "will not improve ranking" in caplog.text and "135M" in caplog.text
+    assert "weak reranker" in caplog.text and "135M" in caplog.text
+    assert "ranked worse than the retriever" in caplog.text  # the judge
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvrag_integrations.rerank.reranker"):
+        make(engine, scoring="query_likelihood")
+    assert "weak reranker" in caplog.text and "query-likelihood" in caplog.text
     with pytest.raises(ValueError, match="scoring"):
         make(engine, scoring="vibes")

@@ -16,9 +16,9 @@ dispatcher = get_dispatcher(__name__)
 class KVRerankPostprocessor(BaseNodePostprocessor):
     """Reorders nodes by ``KVReranker`` relevance and keeps the best ``top_n``.
 
-    Each node's score becomes the reranker's: ``log P(yes) - log P(no)`` with the
-    default ``scoring="judge"``, the query's mean token log-probability with
-    ``scoring="query_likelihood"``. Document caches are reused across queries
+    Each node's score becomes the reranker's: the query's mean token
+    log-probability with the default ``scoring="query_likelihood"``,
+    ``log P(yes) - log P(no)`` with ``scoring="judge"``. Document caches are reused across queries
     (the reranker stores them).
 
     Args:

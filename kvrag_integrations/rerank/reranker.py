@@ -1,11 +1,12 @@
 """A decoder-only reranker that reuses each document's KV cache (HyperRAG).
 
-Two scorings, both with the document first. ``scoring="judge"`` (the default):
-relevance is ``log P("yes") - log P("no")`` for the token after a judging prompt
-laid out ``[instruction][document][query + "Answer Yes or No"]``.
-``scoring="query_likelihood"`` (UPR, arXiv 2204.07496): relevance is the mean
+Two scorings, both with the document first. ``scoring="query_likelihood"`` (UPR,
+arXiv 2204.07496; the default): relevance is the mean
 ``log P(query token | document, earlier query tokens)`` after
-``[instruction][document]["Please write a question ..."]``. The instruction
+``[instruction][document]["Please write a question ..."]``. ``scoring="judge"``
+(the default when a judging template is given): relevance is
+``log P("yes") - log P("no")`` for the token after a judging prompt laid out
+``[instruction][document][query + "Answer Yes or No"]``. The instruction
 and the document come first, so their KV cache is an exact prefix of every prompt
 that judges this document: it is encoded once (positions ``0..P-1``), stored, and
 for each query only the suffix (``P..P+S-1``) runs through the model. Scores with
@@ -45,9 +46,16 @@ logger = logging.getLogger(__name__)
 
 _KEEP = object()  # "use the reranker's own top_n"
 SCORINGS = ("judge", "query_likelihood")
-# Below this size a decoder ranked worse than the retriever it reranked in our
-# evaluation (SmolLM2-135M-Instruct: issue 18; docs/llama_index.md).
+# Below this size a decoder is a weak reranker: SmolLM2-135M-Instruct's yes/no judge
+# ranked worse than the retriever it reranked (docs/concepts.md, the reranker).
 SMALL_MODEL_PARAMS = 300_000_000
+_SMALL_MODEL_NOTE = {
+    "judge": "its yes/no judge ranked worse than the retriever's own order (MuSiQue: "
+    "recall@1 0.10 against MiniLM's 0.25); use scoring='query_likelihood' or a larger model",
+    "query_likelihood": "query-likelihood scoring is the better choice for it (MuSiQue: "
+    "recall@1 0.35 against MiniLM's 0.25, on only 20 questions), but a larger instruct "
+    "model ranks better",
+}
 
 
 @dataclass
@@ -80,9 +88,11 @@ class KVReranker:
         store: where prefix caches live (default: ``engine.store``). Their keys
             live in their own space, so sharing the engine's store is safe.
         batch_size: candidates per forward.
-        scoring: ``"judge"`` (``log P(yes) - log P(no)``) or ``"query_likelihood"``
-            (UPR: mean ``log P(query | document)``; its default template is
-            ``"upr"``).
+        scoring: ``"query_likelihood"`` (UPR: mean ``log P(query | document)``,
+            template ``"upr"``) or ``"judge"`` (``log P(yes) - log P(no)``). None
+            (default): ``"judge"`` when a judging ``template`` is given, else
+            ``"query_likelihood"``, which ranked better than the judge and than
+            the retriever's own order in our evaluation (docs/concepts.md).
 
     Examples:
         >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
@@ -100,10 +110,13 @@ class KVReranker:
         template: str | RerankTemplate | None = None,
         store: KVStore | None = None,
         batch_size: int = 16,
-        scoring: str = "judge",
+        scoring: str | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if scoring is None:
+            judging = template is not None and get_template(template) is not UPR_TEMPLATE
+            scoring = "judge" if judging else "query_likelihood"
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
         self.engine = engine
@@ -119,11 +132,10 @@ class KVReranker:
         n_params = sum(p.numel() for p in engine.model.parameters())
         if n_params < SMALL_MODEL_PARAMS:
             logger.warning(
-                "reranking with %s (%dM parameters) will not improve ranking: in our "
-                "evaluation a model this small ranked worse than the retriever's own "
-                "order. Use a larger instruct model for reranking.",
+                "reranking with %s (%dM parameters), a weak reranker: %s.",
                 getattr(engine, "model_name", "this model"),
                 n_params // 1_000_000,
+                _SMALL_MODEL_NOTE[scoring],
             )
 
     @classmethod
@@ -137,7 +149,7 @@ class KVReranker:
         top_n: int | None = None,
         template: str | RerankTemplate | None = None,
         batch_size: int = 16,
-        scoring: str = "judge",
+        scoring: str | None = None,
     ) -> KVReranker:
         """Load a model for reranking (None: the bundled SmolLM2-135M-Instruct).
 
