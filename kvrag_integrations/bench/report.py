@@ -17,7 +17,17 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvrag_integrations.bench import memory, peer, plots, quality, rerank, scaling, stores, ttft
+from kvrag_integrations.bench import (
+    cold,
+    memory,
+    peer,
+    plots,
+    quality,
+    rerank,
+    scaling,
+    stores,
+    ttft,
+)
 
 SECTIONS = [
     ("ttft", ttft, "Time to first token by strategy"),
@@ -28,6 +38,7 @@ SECTIONS = [
     ("quality-refresh", quality, "CacheBlend on whole passages: check-layer refresh and sinks"),
     ("quality-agreement", quality, "CacheBlend: answer agreement with full as recompute nears 1"),
     ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
+    ("cold", cold, "Cold requests (chunks not cached yet): never slower than no reuse"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
     ("rerank-query_likelihood", rerank, "Reranking by query likelihood (UPR) vs the retriever"),
     ("rerank-judge", rerank, "Reranking by the yes/no judge vs the retriever"),
