@@ -94,6 +94,7 @@ class ChunkLoader:
         keys = list(dict.fromkeys(keys))
         futures: dict[str, Future] = {}
         with self._lock:
+            self._expire(time.monotonic())  # a request also drops what nobody took
             for key in keys:
                 item = self._staged.pop((id(store), fingerprint, key), None)
                 if item is not None:

@@ -73,6 +73,10 @@ def test_staged_reads_are_bounded_and_expire(disk) -> None:
     time.sleep(0.1)
     loader.prefetch(store, "fp", [kvs[5].key])  # an expired read is dropped on the next call
     assert loader.staged == 1 and loader.expired == 5
+    time.sleep(0.1)
+    loader.get_many(store, "fp", [kvs[0].key])  # a request drops expired reads too
+    assert loader.staged == 0 and loader.expired == 6 and loader.taken == 0
+    loader.prefetch(store, "fp", [kvs[1].key])
     loader.close()
     assert loader.staged == 0
 
