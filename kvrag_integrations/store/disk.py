@@ -14,15 +14,13 @@ from pathlib import Path
 
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError, StoreWriteError
-from kvrag_integrations.store.base import EntryInfo, KVStore
+from kvrag_integrations.store.base import EntryInfo
 from kvrag_integrations.store.codec import (
-    decode_entry,
-    encode_entry,
     entry_size,
     header_length,
     read_metadata,
-    store_secret,
 )
+from kvrag_integrations.store.encoded import EncodedKVStore
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +32,7 @@ _MAX_HEADER = 1 << 20  # our headers are a few hundred bytes; larger means a dam
 STALE_TEMP_S = 600.0
 
 
-class DiskKVStore(KVStore):
+class DiskKVStore(EncodedKVStore):
     """Entries live at ``root/<key[:2]>/<key>.safetensors`` (see ``store.codec``).
 
     Paths are only ever derived from sha256 hex keys, so no user text reaches the
@@ -68,9 +66,8 @@ class DiskKVStore(KVStore):
     parallel_reads = True
 
     def __init__(self, root: str | os.PathLike[str], *, secret: str | bytes | None = None) -> None:
-        super().__init__()
+        super().__init__(secret=secret)
         self.root = Path(root)
-        self._secret = store_secret(secret)
 
     def _path(self, key: str) -> Path:
         if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
@@ -86,16 +83,14 @@ class DiskKVStore(KVStore):
         """Whether a file exists for ``key`` (not verified: ``get`` verifies)."""
         return self._path(key).is_file()
 
-    def _get(self, key: str) -> ChunkKV | None:
+    def _read_bytes(self, key: str) -> bytearray | None:
         try:
-            data = read_entry_file(self._path(key))
+            return read_entry_file(self._path(key))
         except FileNotFoundError:
             return None
-        return decode_entry(data, self._secret)
 
-    def _put(self, key: str, kv: ChunkKV) -> None:
+    def _write_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        data = encode_entry(kv, self._secret)
         tmp_path: str | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,32 +151,6 @@ class DiskKVStore(KVStore):
             with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
                 total += path.lstat().st_size
         return total
-
-    def verify(self) -> dict[str, int]:
-        """Decode every entry, delete the unusable ones and count both kinds.
-
-        An entry is bad if it fails ``decode_entry`` or its content hashes to a key
-        other than its file name. Fingerprints are not checked (any model's entry
-        is fine here). ``stats`` are not touched.
-
-        Returns:
-            ``{"ok": n, "bad": m}``.
-        """
-        counts = {"ok": 0, "bad": 0}
-        for key, path in list(self._entry_files()):
-            try:
-                kv = decode_entry(read_entry_file(path), self._secret)
-                if kv.key != key:
-                    raise CacheEntryError("entry is stored under another key")
-            except FileNotFoundError:  # deleted meanwhile: nothing to count
-                continue
-            except (CacheEntryError, OSError) as exc:
-                logger.warning("cache entry %s is bad (%s); deleted", key[:16], exc)
-                self._safe_delete(key)
-                counts["bad"] += 1
-                continue
-            counts["ok"] += 1
-        return counts
 
     def temp_files(self) -> list[Path]:
         """Temp files of writes in flight, or of writers that were killed."""

@@ -12,14 +12,9 @@ from typing import Any
 
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError, StoreWriteError
-from kvrag_integrations.store.base import EntryInfo, KVStore
-from kvrag_integrations.store.codec import (
-    decode_entry,
-    encode_entry,
-    header_length,
-    read_metadata,
-    store_secret,
-)
+from kvrag_integrations.store.base import EntryInfo
+from kvrag_integrations.store.codec import header_length, read_metadata
+from kvrag_integrations.store.encoded import EncodedKVStore
 
 try:  # the optional ``redis`` extra: the package imports without it
     import redis as redis_lib
@@ -43,7 +38,7 @@ _STALE_PART_GRACE_MS = 60_000
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
-class RedisKVStore(KVStore):
+class RedisKVStore(EncodedKVStore):
     """Entries live in Redis under ``prefix + key``, as ``store.codec`` bytes.
 
     Shared by every worker that points at the same server, so a chunk encoded by
@@ -96,8 +91,7 @@ class RedisKVStore(KVStore):
         socket_timeout: float = 1.0,
         secret: str | bytes | None = None,
     ) -> None:
-        super().__init__()
-        self._secret = store_secret(secret)
+        super().__init__(secret=secret)
         if redis_lib is None:
             raise ImportError(
                 "RedisKVStore needs the redis client: pip install 'kvrag-integrations[redis]'"
@@ -178,7 +172,7 @@ class RedisKVStore(KVStore):
             logger.warning("redis unreachable (%s); treating %s as absent", exc, key[:16])
             return False
 
-    def _get(self, key: str) -> ChunkKV | None:
+    def _read_bytes(self, key: str) -> bytes | None:
         rkey = self._rkey(key)
         try:
             blob = self.client.get(rkey)
@@ -188,7 +182,7 @@ class RedisKVStore(KVStore):
             # A miss, not a bad entry: nothing to delete, the engine just recomputes.
             logger.warning("redis unreachable (%s); cache entry %s is a miss", exc, key[:16])
             return None
-        return None if blob is None else decode_entry(blob, self._secret)
+        return blob
 
     def _join_parts(self, manifest: bytes, rkey: str) -> bytes:
         meta, part_keys = self._manifest(manifest, rkey)
@@ -201,13 +195,12 @@ class RedisKVStore(KVStore):
             raise CacheEntryError("split entry's parts do not match its manifest checksum")
         return blob
 
-    def _put(self, key: str, kv: ChunkKV) -> None:
+    def _write_bytes(self, key: str, blob: bytes) -> None:
         rkey = self._rkey(key)
-        blob = encode_entry(kv, self._secret)
         try:
             for _ in range(3):
                 try:
-                    self._write(rkey, blob)
+                    self._transaction(rkey, blob)
                     return
                 except redis_lib.WatchError:
                     # Another writer changed this key meanwhile (or the connection
@@ -220,7 +213,7 @@ class RedisKVStore(KVStore):
         except redis_lib.RedisError as exc:
             raise StoreWriteError(f"cannot write cache entry {key[:16]} to redis: {exc}") from exc
 
-    def _write(self, rkey: str, blob: bytes) -> None:
+    def _transaction(self, rkey: str, blob: bytes) -> None:
         """One optimistic transaction: parts first, then the manifest (or the blob)."""
         px = self._px
         with self.client.pipeline(transaction=True) as pipe:
