@@ -82,7 +82,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=_ints, default=None, help="scaling: chunk lengths (tokens)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="quality/peer: answer length")
     p.add_argument(
-        "--preset", default=None, help="quality: default, ablation, sinks, refresh or agreement"
+        "--preset",
+        default=None,
+        help="quality: default, ablation, sinks, refresh, agreement or precision",
     )
     p.add_argument(
         "--no-loglik", action="store_true", help="quality: skip the gold log-likelihood prefill"

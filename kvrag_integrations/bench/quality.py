@@ -23,6 +23,7 @@ from kvrag_integrations.bench.metrics import (
 )
 from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.engine.segments import tokenize_text
+from kvrag_integrations.store import MemoryKVStore
 
 DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [
     ("full", {}),
@@ -87,8 +88,19 @@ AGREEMENT: list[tuple[str, dict[str, Any]]] = [
     ("blend", {"recompute_ratio": 1.0}),
 ]
 
+# Turbo from caches stored in each precision (``cache_precision``, an engine
+# setting: such a row runs on an engine of its own over the same weights), against
+# the default float16 storage.
+PRECISION: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("turbo", {"cache_precision": "model"}),
+    ("turbo", {"cache_precision": "int8"}),
+]
+
 PRESETS = {
     "default": DEFAULT_STRATEGIES,
+    "precision": PRECISION,
     "ablation": ABLATION,
     "sinks": SINKS,
     "refresh": REFRESH,
@@ -122,6 +134,22 @@ def gold_loglik(
     return answer_loglik(engine.model, pre.output.kv, pre.logits, ids)
 
 
+def _engine_for(
+    engine: KVRAGEngine, precision: str | None, engines: dict[str, KVRAGEngine]
+) -> KVRAGEngine:
+    """``engine``, or one over its weights that stores caches in ``precision``."""
+    if precision is None or precision == engine.caches.precision:
+        return engine
+    if precision not in engines:
+        engines[precision] = KVRAGEngine(
+            engine.loaded,
+            store=MemoryKVStore(max_bytes=None),
+            cache_precision=precision,
+            on_miss=engine.on_miss,
+        )
+    return engines[precision]
+
+
 def label(name: str, options: dict[str, Any]) -> str:
     """``blend@0.15`` style names for table rows."""
     if name == "blend" and set(options) == {"recompute_ratio"}:
@@ -148,6 +176,7 @@ def run(
     per strategy and item).
     """
     strategies = strategies or DEFAULT_STRATEGIES
+    engines: dict[str, KVRAGEngine] = {}
     per: dict[str, dict[str, list[float]]] = {label(n, o): {} for n, o in strategies}
     prompt_tokens = []
     for item in items:
@@ -157,9 +186,13 @@ def run(
         engine.encode_chunks(chunks, show_progress=False)
         reference = None
         for name, options in strategies:
+            row = per[label(name, options)]
+            options = dict(options)
+            runner = _engine_for(engine, options.pop("cache_precision", None), engines)
+            runner.encode_chunks(chunks, show_progress=False)
             ttfts, result = [], None
             for _ in range(max(1, repeats)):
-                result = engine.generate(
+                result = runner.generate(
                     question=item.question,
                     chunks=chunks,
                     strategy=name,
@@ -171,7 +204,6 @@ def run(
             if reference is None:
                 reference = result  # the first strategy (full) is the reference
                 prompt_tokens.append(result.prompt_tokens)
-            row = per[label(name, options)]
             logits, ref_logits = result.first_token_logits, reference.first_token_logits
             row.setdefault("ttft_s", []).append(statistics.median(ttfts))
             row.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
@@ -181,7 +213,7 @@ def run(
             row.setdefault("recomputed", []).append(result.recomputed_tokens)
             gold = next((a for a in item.answers if a.strip()), None)
             if loglik and gold is not None:
-                ll = gold_loglik(engine, item.question, chunks, gold, name, options)
+                ll = gold_loglik(runner, item.question, chunks, gold, name, options)
                 row.setdefault("loglik", []).append(ll)
     base = statistics.median(per[label(*strategies[0])]["ttft_s"])
     rows = []

@@ -37,6 +37,7 @@ SECTIONS = [
     ("quality-sinks", quality, "CacheBlend on short chunks: chunk-start sinks kept or recomputed"),
     ("quality-refresh", quality, "CacheBlend on whole passages: check-layer refresh and sinks"),
     ("quality-agreement", quality, "CacheBlend: answer agreement with full as recompute nears 1"),
+    ("quality-precision", quality, "Turbo from caches stored in each precision"),
     ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
     ("cold", cold, "Cold requests (chunks not cached yet): never slower than no reuse"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
