@@ -97,9 +97,12 @@ def test_precompute_then_score(engine):
 
 
 def test_prefix_keys_have_their_own_space(engine):
-    reranker = KVReranker(engine)  # shares engine.store
+    reranker = KVReranker(engine, scoring="judge")  # shares engine.store
     assert reranker.store is engine.store
     assert reranker.fingerprint == f"{engine.fingerprint}|rerank|{DEFAULT_TEMPLATE.name}"
+    upr = KVReranker(engine)  # the default scoring, with its own template
+    assert upr.fingerprint == f"{engine.fingerprint}|rerank|upr-v1"
+    assert upr.prefix_key(ANSWER) != reranker.prefix_key(ANSWER)
     assert reranker.prefix_key(ANSWER) != engine.chunk_key(ANSWER)
     other = KVReranker(engine, template="bge-gemma")
     assert other.prefix_key(ANSWER) != reranker.prefix_key(ANSWER)
