@@ -28,7 +28,7 @@ import statistics
 from typing import Any
 
 from kvrag_integrations.bench import peer
-from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trim_to_tokens
+from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trimmed_chunks
 from kvrag_integrations.store import MemoryKVStore
 
 QUICK = {"items": 1, "n_chunks": 2, "chunk_tokens": 16, "repeats": 1, "max_new_tokens": 2}
@@ -63,8 +63,7 @@ def run(
     per: dict[str, dict[str, list[float]]] = {key: {} for key in labels}
     hf = peer.huggingface_llm(engine, max_new_tokens)
     for it in items:
-        chunks = [trim_to_tokens(engine.tokenizer, c, chunk_tokens) for c in it.chunks[:n_chunks]]
-        chunks = [c for c in chunks if c.strip()]
+        chunks = trimmed_chunks(engine.tokenizer, it, n_chunks, chunk_tokens)
         text = peer.prompt_text(it.question, chunks)
         note_nodes([TextNode(text=c) for c in chunks])  # what the retriever's event does
         peer.first_response_s(hf, text)  # warm-up

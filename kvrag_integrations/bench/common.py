@@ -56,6 +56,13 @@ def trim_to_tokens(tokenizer: Any, text: str, n_tokens: int) -> str:
     return tokenizer.decode(ids).strip()
 
 
+def trimmed_chunks(tokenizer: Any, item: RagItem, n_chunks: int, n_tokens: int) -> list[str]:
+    """The item's first ``n_chunks`` passages cut to about ``n_tokens`` tokens (empty ones
+    dropped): the chunks of one benchmark prompt."""
+    chunks = [trim_to_tokens(tokenizer, text, n_tokens) for text in item.chunks[:n_chunks]]
+    return [c for c in chunks if c.strip()]
+
+
 def chunk_pool(tokenizer: Any, items: list[RagItem], n_tokens: int) -> list[str]:
     """Distinct passages of at least ``n_tokens`` tokens, each cut to exactly that many."""
     seen, pool = set(), []

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag_integrations.bench import plots
-from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trim_to_tokens
+from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trimmed_chunks
 from kvrag_integrations.bench.metrics import token_f1
 from kvrag_integrations.bench.quality import label
 from kvrag_integrations.engine.segments import rag_user_segments
@@ -108,8 +108,7 @@ def run(
     strategies = strategies or STRATEGIES
     prompts = []
     for it in items:
-        chunks = [trim_to_tokens(engine.tokenizer, c, chunk_tokens) for c in it.chunks[:n_chunks]]
-        chunks = [c for c in chunks if c.strip()]
+        chunks = trimmed_chunks(engine.tokenizer, it, n_chunks, chunk_tokens)
         prompts.append((prompt_text(it.question, chunks), chunks))
     engine.encode_chunks([c for _, cs in prompts for c in cs], show_progress=False)
     peer = huggingface_llm(engine, max_new_tokens)

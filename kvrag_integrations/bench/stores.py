@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrag_integrations.bench.common import RagItem, markdown_table, sync, trim_to_tokens
+from kvrag_integrations.bench.common import RagItem, markdown_table, sync, trimmed_chunks
 from kvrag_integrations.bench.memory import find_redis_server, redis_server
 from kvrag_integrations.bench.metrics import kl_divergence
 from kvrag_integrations.bench.scaling import floor_time
@@ -64,11 +64,7 @@ def run(
 ) -> dict[str, Any]:
     """Median turbo TTFT per (precision, store), bytes per token and KL per precision."""
     prompts = [
-        (
-            it.question,
-            [trim_to_tokens(engine.tokenizer, c, chunk_tokens) for c in it.chunks][:n_chunks],
-        )
-        for it in items
+        (it.question, trimmed_chunks(engine.tokenizer, it, n_chunks, chunk_tokens)) for it in items
     ]
     all_chunks = list(dict.fromkeys(c for _, chunks in prompts for c in chunks))
     binary = find_redis_server() if redis else None

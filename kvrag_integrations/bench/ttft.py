@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag_integrations.bench import plots
-from kvrag_integrations.bench.common import RagItem, markdown_table, timed, trim_to_tokens
+from kvrag_integrations.bench.common import RagItem, markdown_table, timed, trimmed_chunks
 from kvrag_integrations.bench.quality import DEFAULT_STRATEGIES, label
 from kvrag_integrations.engine.engine import KVRAGEngine
 
@@ -36,11 +36,7 @@ def run(
     """
     strategies = strategies or DEFAULT_STRATEGIES
     prompts = [
-        (
-            it.question,
-            [trim_to_tokens(engine.tokenizer, c, chunk_tokens) for c in it.chunks][:n_chunks],
-        )
-        for it in items
+        (it.question, trimmed_chunks(engine.tokenizer, it, n_chunks, chunk_tokens)) for it in items
     ]
     all_chunks = [c for _, chunks in prompts for c in chunks]
     encode_s, _ = timed(lambda: engine.encode_chunks(all_chunks, show_progress=False), 1, 0)
