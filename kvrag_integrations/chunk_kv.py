@@ -31,7 +31,8 @@ PRECISIONS = ("float16", "bfloat16", "int8", "model")
 FLOAT16_MAX = 65504.0
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_QUANT_NAMES = ("key_scale", "key_zero", "value_scale", "value_zero")
+# The tensors an int8 entry carries beside its codes (the codec stores them too).
+QUANT_NAMES = ("key_scale", "key_zero", "value_scale", "value_zero")
 
 
 def cache_key(fingerprint: str, token_ids: torch.Tensor | list[int]) -> str:
@@ -108,7 +109,7 @@ class ChunkKV:
             )
         if self.token_ids.dim() != 1 or self.token_ids.numel() != self.keys.shape[2]:
             raise ValueError("token_ids must be 1-D with one id per cached position")
-        quant = [getattr(self, name) for name in _QUANT_NAMES]
+        quant = [getattr(self, name) for name in QUANT_NAMES]
         if all(q is None for q in quant):
             if self.keys.dtype not in _FLOAT_DTYPES or self.values.dtype != self.keys.dtype:
                 raise ValueError(
@@ -117,7 +118,7 @@ class ChunkKV:
                 )
             return
         if any(q is None for q in quant):
-            raise ValueError(f"a quantized entry needs all of {', '.join(_QUANT_NAMES)}")
+            raise ValueError(f"a quantized entry needs all of {', '.join(QUANT_NAMES)}")
         if self.keys.dtype != torch.uint8 or self.values.dtype != torch.uint8:
             raise ValueError("quantized keys/values must be uint8 codes")
         layers, heads, n, dim = self.keys.shape
@@ -156,7 +157,7 @@ class ChunkKV:
         """Every tensor held, by name (the quantization ones only when quantized)."""
         named = {"token_ids": self.token_ids, "keys": self.keys, "values": self.values}
         if self.is_quantized:
-            named.update({name: getattr(self, name) for name in _QUANT_NAMES})
+            named.update({name: getattr(self, name) for name in QUANT_NAMES})
         return named
 
     @property
@@ -274,6 +275,7 @@ __all__ = [
     "FLOAT16_MAX",
     "FORMAT_VERSION",
     "PRECISIONS",
+    "QUANT_NAMES",
     "ChunkKV",
     "cache_key",
     "check_precision",

@@ -40,15 +40,14 @@ import safetensors.torch
 import torch
 import xxhash
 
-from kvrag_integrations.chunk_kv import FORMAT_VERSION, ChunkKV, cache_key
+from kvrag_integrations.chunk_kv import FORMAT_VERSION, QUANT_NAMES, ChunkKV, cache_key
 from kvrag_integrations.errors import CacheEntryError
 
 # The environment variable a store reads its secret from when none is given.
 SECRET_ENV = "KVRAG_STORE_SECRET"
 
 _TENSOR_NAMES = ("token_ids", "keys", "values")
-_QUANT_NAMES = ("key_scale", "key_zero", "value_scale", "value_zero")
-_ALL_NAMES = _TENSOR_NAMES + _QUANT_NAMES
+_ALL_NAMES = _TENSOR_NAMES + QUANT_NAMES
 _METADATA_NAMES = ("format", "fingerprint", "key", "checksum")
 # safetensors dtype names this decoder can size (anything else is refused unread).
 _ST_DTYPES = {
@@ -331,7 +330,7 @@ def decode_entry(data: bytes | bytearray | memoryview, secret: bytes | None = No
     precision = metadata.get("precision")
     if precision is None:
         precision = "int8" if "key_scale" in slices else None
-    names = _TENSOR_NAMES + (_QUANT_NAMES if precision == "int8" else ())
+    names = _TENSOR_NAMES + (QUANT_NAMES if precision == "int8" else ())
     if set(slices) != set(names):
         raise CacheEntryError(f"entry holds tensors {sorted(slices)}, expected {sorted(names)}")
     _, code = _checksum(metadata, slices, secret)
@@ -358,7 +357,7 @@ def _check_dtypes(slices: Mapping[str, _Slice], precision: str) -> None:
     allowed = {"token_ids": torch.int64}
     if precision == "int8":
         allowed |= {"keys": torch.uint8, "values": torch.uint8}
-        allowed |= dict.fromkeys(_QUANT_NAMES, torch.float16)
+        allowed |= dict.fromkeys(QUANT_NAMES, torch.float16)
     else:
         allowed |= dict.fromkeys(("keys", "values"), getattr(torch, precision))
     for name, dtype in allowed.items():

@@ -21,6 +21,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from kvrag_integrations.chunk_kv import QUANT_NAMES
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.generate import to_dynamic_cache
 from kvrag_integrations.engine.layout import SUPPORTED_ARCHITECTURES, ModelLayout, RotaryShift
@@ -169,7 +170,6 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-4) -> N
     assert diff <= atol, f"max logit diff {diff:.2e}"
 
 
-QUANT = ("key_scale", "key_zero", "value_scale", "value_zero")
 CHUNK_FIRST = ((ids(14, 1), "chunk"), (ids(9, 2), "text"))
 THREE_CHUNKS = (
     (ids(5, 10), "prefix"),
@@ -320,7 +320,7 @@ def test_e_stored_precisions_are_cast_exactly_where_laid_out(
     prompt = prompt_of(*THREE_CHUNKS)
     stored = [kv.stored_as(precision) for kv in chunk_kvs(model, prompt)]
     widened = [
-        dataclasses.replace(kv, keys=k, values=v, **dict.fromkeys(QUANT, None))
+        dataclasses.replace(kv, keys=k, values=v, **dict.fromkeys(QUANT_NAMES, None))
         for kv, (k, v) in ((kv, kv.dequantize(torch.float32)) for kv in stored)
     ]
     got = TurboRAG().prefill(model, prompt, stored).logits
