@@ -79,6 +79,7 @@ def test_turbo_reuses_chunk_tokens_and_reports_counts(engine: KVRAGEngine) -> No
     engine.generate(max_new_tokens=1, **kw)  # stores the leading text's cache
     result = engine.generate(max_new_tokens=8, **kw)
     chunk_tokens = sum(engine.tokenize([Chunk(c)]).num_tokens for c in (TOWER, REEF))
+    chunk_tokens += engine.caches.suffix_ids.numel()  # the "\n\n" after TOWER, read with it
     head = engine.prefill(**kw).prompt.pieces[0]
     assert head.is_prefix and not head.text.startswith(TOWER[:10])
     assert result.strategy == "turbo"
@@ -114,14 +115,15 @@ def test_turbo_reordered_keeps_the_cache_consistent_with_positions(engine: KVRAG
     """Assembled keys equal each chunk's stored keys moved to the chunk's start."""
     pre = engine.prefill(question=QUESTION, chunks=[TOWER, REEF], strategy="turbo")
     kv, inv_freq = pre.output.kv, engine.model.model.rotary_emb.inv_freq
+    keys, _ = kv.stacked()
     start = 0
     for piece in pre.prompt.pieces:
         n = piece.ids.numel()
         if piece.is_chunk and start + n < kv.num_tokens:
             store = engine.prefix_store if piece.is_prefix else engine.store
-            stored = store.get(cache_key(engine.fingerprint, piece.ids), engine.fingerprint)
-            expect = shift_keys(stored.keys, start, inv_freq)
-            torch.testing.assert_close(kv.keys[:, :, start : start + n], expect)
+            stored = store.get(cache_key(engine.fingerprint, piece.entry_ids), engine.fingerprint)
+            expect = shift_keys(stored.keys[:, :, :n], start, inv_freq)
+            torch.testing.assert_close(keys[:, :, start : start + n], expect)
             assert kv.positions[start].item() == start
         start += n
 

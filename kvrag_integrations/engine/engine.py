@@ -15,7 +15,7 @@ import torch
 from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.engine import registry
 from kvrag_integrations.engine.background import BackgroundEncoder
-from kvrag_integrations.engine.chunk_caches import ChunkCaches
+from kvrag_integrations.engine.chunk_caches import DEFAULT_CHUNK_SUFFIX, ChunkCaches
 from kvrag_integrations.engine.generate import (
     GenerationResult,
     SamplingParams,
@@ -69,6 +69,7 @@ class KVRAGEngine:
         on_miss: str = "defer",
         max_pending: int = 256,
         cache_precision: str = "float16",
+        chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
     ) -> None:
         """Wrap a loaded model.
 
@@ -91,6 +92,13 @@ class KVRAGEngine:
                 read. The precision is part of the entries' fingerprint
                 (``fingerprint``): engines that store differently never read each
                 other's entries, even in one shared store.
+            chunk_suffix: text encoded after every chunk, in its entry (default
+                ``"\\n\\n"``, what our prompts and LlamaIndex's and LangChain's
+                put between chunks). Where a prompt continues a chunk with it,
+                those tokens' K/V come from the entry (computed after the chunk
+                alone, like the chunk's own) instead of being computed per
+                request; elsewhere the chunk's rows alone are used. ``""``
+                encodes chunks alone. Part of the entries' keys.
         """
         self.loaded = loaded
         self.cache_prefix = cache_prefix
@@ -101,7 +109,11 @@ class KVRAGEngine:
         # on shared buffers, and interleaving would only slow each request down.
         self._lock = threading.RLock()
         self.caches = ChunkCaches(
-            loaded, store if store is not None else MemoryKVStore(), self._lock, cache_precision
+            loaded,
+            store if store is not None else MemoryKVStore(),
+            self._lock,
+            cache_precision,
+            chunk_suffix,
         )
         self.encoder = BackgroundEncoder(self.caches.encode_jobs, max_pending=max_pending)
         registry.note_engine(self)
@@ -145,7 +157,7 @@ class KVRAGEngine:
             cache_precision: how chunk caches are stored: ``"float16"`` (default),
                 ``"bfloat16"``, ``"int8"`` or ``"model"`` (full precision); see
                 ``KVRAGEngine``.
-            **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending`` (see
+            **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending``, ``chunk_suffix`` (see
                 ``KVRAGEngine``).
         """
         loaded = load_model(
@@ -413,6 +425,7 @@ class KVRAGEngine:
         on_miss = self.on_miss if on_miss is None else _check_on_miss(on_miss)
         if not strat.uses_chunk_caches:
             return self._run(strat, prompt, [], set(), started)
+        prompt = self.caches.attach_suffixes(prompt)
         cached = cache_leading_text(prompt) if self.cache_prefix else prompt
         found, missing = self.caches.lookup(cached)
         if on_miss == "defer" and any(not m.is_prefix for m in missing.values()):

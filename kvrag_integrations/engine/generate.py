@@ -205,7 +205,7 @@ def to_dynamic_cache(kv: PromptKV) -> Any:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    for layer in range(kv.keys.shape[0]):
+    for layer in range(len(kv.keys)):
         cache.update(kv.keys[layer].unsqueeze(0), kv.values[layer].unsqueeze(0), layer)
     return cache
 

@@ -111,12 +111,21 @@ class Piece:
 
     ``is_chunk`` pieces take their K/V from the store. ``is_prefix`` marks the
     prompt's leading text when it is cached too (see ``cache_leading_text``).
+    ``stored_ids``: the ids a chunk's store entry holds when they are more than
+    ``ids`` (the chunk followed by the engine's chunk suffix); ``ids`` is then a
+    prefix of them, and the piece takes the first ``len(ids)`` rows.
     """
 
     ids: torch.Tensor  # int64 [n]
     is_chunk: bool
     text: str
     is_prefix: bool = False
+    stored_ids: torch.Tensor | None = None
+
+    @property
+    def entry_ids(self) -> torch.Tensor:
+        """The token ids of the store entry this piece reads (its cache key's ids)."""
+        return self.ids if self.stored_ids is None else self.stored_ids
 
 
 @dataclass
