@@ -181,7 +181,7 @@ class ChunkCaches:
         """
         found: dict[str, ChunkKV] = {}
         missing: dict[str, Miss] = {}
-        pieces = [(cache_key(self.fingerprint, p.ids), p) for p in prompt.chunk_pieces]
+        pieces = [(cache_key(self.fingerprint, p.ids), p) for p in prompt.cached_pieces]
         stored = self.loader.get_many(
             self.store, self.fingerprint, [k for k, p in pieces if not p.is_prefix]
         )
@@ -243,7 +243,7 @@ class ChunkCaches:
         """The prompt's chunk caches in chunk order, on the model's device, in their
         storage form (the strategies' assembly casts or dequantizes them)."""
         device = self.loaded.device
-        keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
+        keys = [cache_key(self.fingerprint, p.ids) for p in prompt.cached_pieces]
         return [found[k].to(device) for k in keys]
 
     def for_prompt(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -105,18 +105,47 @@ def check_text(text: Any, what: str) -> str:
     return text
 
 
+PieceKind = Literal["text", "chunk", "prefix"]
+PIECE_KINDS: tuple[PieceKind, ...] = ("text", "chunk", "prefix")
+
+
 @dataclass
 class Piece:
-    """One tokenized segment.
+    """One tokenized segment, of one ``kind``:
 
-    ``is_chunk`` pieces take their K/V from the store. ``is_prefix`` marks the
-    prompt's leading text when it is cached too (see ``cache_leading_text``).
+    - ``"text"``: prefilled (or recomputed) on every request;
+    - ``"chunk"``: a retrieved chunk, its K/V from the chunk store;
+    - ``"prefix"``: the prompt's leading text when it is cached too (see
+      ``cache_leading_text``), its K/V from the prefix store.
+
+    Examples:
+        >>> p = Piece(torch.tensor([1, 2]), "prefix", "System: ...")
+        >>> p.is_cached, p.is_chunk, p.is_prefix
+        (True, False, True)
     """
 
     ids: torch.Tensor  # int64 [n]
-    is_chunk: bool
+    kind: PieceKind
     text: str
-    is_prefix: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in PIECE_KINDS:
+            raise ValueError(f"Piece.kind must be one of {PIECE_KINDS}, got {self.kind!r}")
+
+    @property
+    def is_chunk(self) -> bool:
+        """A retrieved chunk (never the cached leading text)."""
+        return self.kind == "chunk"
+
+    @property
+    def is_prefix(self) -> bool:
+        """The prompt's cached leading text."""
+        return self.kind == "prefix"
+
+    @property
+    def is_cached(self) -> bool:
+        """Its K/V come from a store: a chunk or the cached leading text."""
+        return self.kind != "text"
 
 
 @dataclass
@@ -137,7 +166,14 @@ class TokenizedPrompt:
 
     @property
     def chunk_pieces(self) -> list[Piece]:
+        """The retrieved chunks, in order (not the cached leading text)."""
         return [p for p in self.pieces if p.is_chunk]
+
+    @property
+    def cached_pieces(self) -> list[Piece]:
+        """Pieces whose K/V come from a store (chunks and the leading text), in order:
+        the order of the caches a strategy takes."""
+        return [p for p in self.pieces if p.is_cached]
 
 
 def cache_leading_text(prompt: TokenizedPrompt) -> TokenizedPrompt:
@@ -149,10 +185,10 @@ def cache_leading_text(prompt: TokenizedPrompt) -> TokenizedPrompt:
     done when a chunk follows, so one-off prompts do not fill the store.
     """
     pieces = prompt.pieces
-    if len(pieces) < 2 or pieces[0].is_chunk or not any(p.is_chunk for p in pieces):
+    if len(pieces) < 2 or pieces[0].is_cached or not any(p.is_chunk for p in pieces):
         return prompt
     head = pieces[0]
-    return TokenizedPrompt([Piece(head.ids, True, head.text, is_prefix=True), *pieces[1:]])
+    return TokenizedPrompt([Piece(head.ids, "prefix", head.text), *pieces[1:]])
 
 
 # Per tokenizer: (markup backend, literal backend), private copies of its Rust
@@ -278,7 +314,7 @@ def tokenize_segments(tokenizer: Any, segments: Sequence[Segment]) -> TokenizedP
         if run:
             ids = tokenize_texts(tokenizer, run)
             if ids.numel():
-                pieces.append(Piece(ids, False, "".join(t.text for t in run)))
+                pieces.append(Piece(ids, "text", "".join(t.text for t in run)))
             run.clear()
 
     for seg in segments:
@@ -287,7 +323,7 @@ def tokenize_segments(tokenizer: Any, segments: Sequence[Segment]) -> TokenizedP
             validate_chunk_text(seg.text)
             ids = tokenize_text(tokenizer, seg.text)
             if ids.numel():
-                pieces.append(Piece(ids, True, seg.text))
+                pieces.append(Piece(ids, "chunk", seg.text))
         elif isinstance(seg, Text):
             check_text(seg.text, "Text.text")
             run.append(seg)

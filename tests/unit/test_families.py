@@ -147,20 +147,18 @@ def ids(n: int, seed: int) -> torch.Tensor:
 
 def prompt_of(*pieces: tuple[torch.Tensor, str]) -> TokenizedPrompt:
     """Pieces as (ids, kind) with kind "text", "chunk" or "prefix"."""
-    return TokenizedPrompt(
-        [Piece(t, kind != "text", "", is_prefix=kind == "prefix") for t, kind in pieces]
-    )
+    return TokenizedPrompt([Piece(t, kind, "") for t, kind in pieces])
 
 
 def chunk_kvs(model: LoadedModel, prompt: TokenizedPrompt) -> list:
     return [
         encode_chunk_batch(model.model, [p.ids], model.fingerprint, 0)[0]
-        for p in prompt.chunk_pieces
+        for p in prompt.cached_pieces
     ]
 
 
 def full_logits(model: LoadedModel, prompt: TokenizedPrompt) -> torch.Tensor:
-    flat = TokenizedPrompt([Piece(p.ids, False, "") for p in prompt.pieces])
+    flat = TokenizedPrompt([Piece(p.ids, "text", "") for p in prompt.pieces])
     return FullPrefill().prefill(model, flat, []).logits
 
 
@@ -211,13 +209,13 @@ def block_reference(model: LoadedModel, prompt: TokenizedPrompt) -> torch.Tensor
     kinds, spans, start = [], [], 0
     for piece in prompt.pieces:
         spans.append((start, start + piece.ids.numel()))
-        kinds.append(piece.is_chunk)
+        kinds.append(piece.is_cached)
         start += piece.ids.numel()
     total = start
     allowed = torch.zeros(total, total, dtype=torch.bool)
     causal = torch.ones(total, total).tril().bool()
-    for (a, b), is_chunk in zip(spans, kinds):
-        if is_chunk:  # a chunk (or the leading text) was encoded alone
+    for (a, b), is_cached in zip(spans, kinds):
+        if is_cached:  # a chunk (or the leading text) was encoded alone
             allowed[a:b, a:b] = causal[a:b, a:b]
         else:
             allowed[a:b, :b] = causal[a:b, :b]
@@ -268,7 +266,7 @@ def greedy(model: LoadedModel, kv: Any, logits: torch.Tensor, n: int = 8) -> lis
 def test_d_greedy_tokens_equal_full(model: LoadedModel) -> None:
     prompt = prompt_of(*CHUNK_FIRST)
     turbo = TurboRAG().prefill(model, prompt, chunk_kvs(model, prompt))
-    flat = TokenizedPrompt([Piece(p.ids, False, "") for p in prompt.pieces])
+    flat = TokenizedPrompt([Piece(p.ids, "text", "") for p in prompt.pieces])
     full = FullPrefill().prefill(model, flat, [])
     assert greedy(model, turbo.kv, turbo.logits) == greedy(model, full.kv, full.logits)
 

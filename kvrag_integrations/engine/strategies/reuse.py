@@ -54,7 +54,7 @@ class ChunkReuse(Strategy):
         for piece in prompt.pieces:
             n = piece.ids.numel()
             span = slice(start, start + n)
-            if piece.is_chunk:
+            if piece.is_cached:
                 chunk = next(chunk_iter)
                 at = next_pos if self.positions == "reordered" else 0
                 chunk_keys, chunk_values = stored_kv(chunk)
