@@ -15,6 +15,7 @@ import torch
 from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.engine import registry
 from kvrag_integrations.engine.background import BackgroundEncoder
+from kvrag_integrations.engine.chat_template import Message, render_chat
 from kvrag_integrations.engine.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.generate import (
     GenerationResult,
@@ -27,14 +28,12 @@ from kvrag_integrations.engine.results import ChunkRef, GenerationStream, Prefil
 from kvrag_integrations.engine.segments import (
     DEFAULT_INSTRUCTION,
     Chunk,
-    Message,
     Segment,
     Text,
     TokenizedPrompt,
     cache_leading_text,
     check_text,
     rag_user_segments,
-    render_chat,
     tokenize_segments,
 )
 from kvrag_integrations.engine.spans import ChunkIndex

@@ -16,12 +16,10 @@ special-token strings turned into control tokens.
 from __future__ import annotations
 
 import contextlib
-import secrets
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -351,87 +349,3 @@ def rag_user_segments(
     tail = f"\n\nQuestion: {question}" if chunks else f"{lead}Question: {question}"
     segments.append(Text(tail))
     return [s for s in segments if not (isinstance(s, Text) and not s.text)]
-
-
-Message = tuple[str, Sequence[Segment]]  # (role, content segments)
-
-
-def _slot(nonce: str, i: int) -> str:
-    return f"\x00kvrag-{nonce}-{i}\x00"
-
-
-def render_chat(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
-    """Render chat messages with the model's template, keeping chunks intact.
-
-    Every piece of message content (text and chunks) goes into the template as a
-    placeholder, and the result is split at the placeholders: the template's own
-    text comes back as markup (its control tokens are real), the messages' text
-    and chunks as literal segments, and chunks keep the ids of their stored
-    caches. Placeholders carry a random nonce drawn per call, so no text can
-    forge one. The generation prompt for the assistant is appended.
-
-    A template that rewrites message text (``| trim``, say) is detected by
-    rendering the plain text too; it is then rendered the old way (text in place,
-    chunks as placeholders), and text holding a control-token string is refused
-    since it could not be kept literal there.
-
-    Args:
-        tokenizer: a tokenizer with ``chat_template``.
-        messages: ``(role, segments)`` pairs, e.g. ``[("user", [Text("Q"), Chunk(c)])]``.
-    """
-    nonce = secrets.token_hex(16)
-    slots: list[Segment] = []
-    templated, plain = [], []
-    for role, content in messages:
-        text = ""
-        for seg in content:
-            if seg.text:
-                text += _slot(nonce, len(slots))
-                slots.append(seg)
-        templated.append({"role": role, "content": text})
-        plain.append({"role": role, "content": "".join(seg.text for seg in content)})
-    render = partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
-    out = split_rendered(render(templated), nonce, slots)
-    if "".join(seg.text for seg in out) == render(plain):
-        return out
-    return _render_in_place(tokenizer, messages, render, nonce)
-
-
-def _render_in_place(
-    tokenizer: Any, messages: Sequence[Message], render: Any, nonce: str
-) -> list[Segment]:
-    """Fallback for templates that rewrite text: only chunks are placeholders."""
-    controls = control_token_strings(tokenizer)
-    chunks: list[Segment] = []
-    dicts = []
-    for role, content in messages:
-        text = ""
-        for seg in content:
-            if isinstance(seg, Chunk):
-                text += _slot(nonce, len(chunks))
-                chunks.append(seg)
-            else:
-                if not seg.markup and any(c in seg.text for c in controls):
-                    raise ValueError(
-                        "this chat template rewrites message text, so a control-token "
-                        f"string in it ({next(c for c in controls if c in seg.text)!r}) "
-                        "cannot be kept literal; remove it or pass it inside a chunk"
-                    )
-                text += seg.text
-        dicts.append({"role": role, "content": text})
-    return split_rendered(render(dicts), nonce, chunks)
-
-
-def split_rendered(rendered: str, nonce: str, slots: Sequence[Segment]) -> list[Segment]:
-    """Split a rendered prompt at its placeholders: markup ``Text`` around the slots."""
-    out: list[Segment] = []
-    rest = rendered
-    for i, seg in enumerate(slots):
-        before, found, rest = rest.partition(_slot(nonce, i))
-        if not found or _slot(nonce, i) in rest:
-            raise ValueError("the chat template dropped, repeated or altered a placeholder")
-        out += [Text(before, markup=True), seg]
-    if f"\x00kvrag-{nonce}-" in rest:
-        raise ValueError("the chat template reordered the message placeholders")
-    out.append(Text(rest, markup=True))
-    return [s for s in out if not (isinstance(s, Text) and not s.text)]
