@@ -202,11 +202,17 @@ class GenerationResult:
 
 def to_dynamic_cache(kv: PromptKV) -> Any:
     """A transformers DynamicCache holding the prompt K/V (views, no copy)."""
+    return stacked_cache(kv.keys.unsqueeze(1), kv.values.unsqueeze(1))
+
+
+def stacked_cache(keys: torch.Tensor, values: torch.Tensor) -> Any:
+    """A transformers DynamicCache of K/V stacked ``[layers, batch, kv_heads, tokens,
+    head_dim]`` (each layer a view, no copy)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    for layer in range(kv.keys.shape[0]):
-        cache.update(kv.keys[layer].unsqueeze(0), kv.values[layer].unsqueeze(0), layer)
+    for layer in range(keys.shape[0]):
+        cache.update(keys[layer], values[layer], layer)
     return cache
 
 

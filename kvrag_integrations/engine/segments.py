@@ -107,6 +107,24 @@ PieceKind = Literal["text", "chunk", "prefix"]
 PIECE_KINDS: tuple[PieceKind, ...] = ("text", "chunk", "prefix")
 
 
+def check_texts(texts: Any, what: str) -> list[str]:
+    """``texts`` as a list of str; one str, or an item that is not one, is a TypeError.
+
+    Examples:
+        >>> check_texts(["a", 3], "documents")
+        Traceback (most recent call last):
+        ...
+        TypeError: documents[1] must be a str, got int
+    """
+    if isinstance(texts, str):
+        raise TypeError(f"{what} must be a list of strings, not one string")
+    out = list(texts)
+    for i, text in enumerate(out):
+        if not isinstance(text, str):
+            raise TypeError(f"{what}[{i}] must be a str, got {type(text).__name__}")
+    return out
+
+
 @dataclass
 class Piece:
     """One tokenized segment, of one ``kind``:
