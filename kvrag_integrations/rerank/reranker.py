@@ -212,7 +212,7 @@ class KVReranker:
 
         Raises:
             TypeError: ``query`` or a document is not a str, or ``documents`` is one str.
-            ValueError: ``query`` is empty or whitespace only.
+            ValueError: ``query`` is empty, whitespace only or not valid Unicode.
             ContextWindowExceededError: a prompt does not fit the model's context.
 
         Examples:
