@@ -104,7 +104,7 @@ def test_prefix_caching_is_exact(engine: KVRAGEngine) -> None:
     again = cached.prefill(**kw)
     plain.prefill(**kw)
     reference = plain.prefill(**kw)
-    assert not reference.prompt.pieces[0].is_chunk
+    assert not reference.prompt.pieces[0].is_cached
     torch.testing.assert_close(again.logits, reference.logits, atol=1e-3, rtol=1e-4)
     assert (
         again.token_counts()[0] == reference.token_counts()[0] + again.prompt.pieces[0].ids.numel()
@@ -119,7 +119,7 @@ def test_turbo_reordered_keeps_the_cache_consistent_with_positions(engine: KVRAG
     start = 0
     for piece in pre.prompt.pieces:
         n = piece.ids.numel()
-        if piece.is_chunk and start + n < kv.num_tokens:
+        if piece.is_cached and start + n < kv.num_tokens:
             store = engine.prefix_store if piece.is_prefix else engine.store
             stored = store.get(cache_key(engine.fingerprint, piece.entry_ids), engine.fingerprint)
             expect = shift_keys(stored.keys[:, :, :n], start, inv_freq)
@@ -135,7 +135,7 @@ def test_composite_positions_restart_each_chunk_at_zero(engine: KVRAGEngine) -> 
     starts = [0]
     for piece in pre.prompt.pieces:
         starts.append(starts[-1] + piece.ids.numel())
-    chunk_starts = [s for s, p in zip(starts, pre.prompt.pieces) if p.is_chunk and not p.is_prefix]
+    chunk_starts = [s for s, p in zip(starts, pre.prompt.pieces) if p.is_chunk]
     assert [pre.output.kv.positions[s].item() for s in chunk_starts] == [0, 0]
     result = engine.generate(
         question=QUESTION, chunks=[TOWER, REEF], positions="composite", max_new_tokens=4
@@ -311,11 +311,11 @@ def test_known_chunks_argument_and_altered_text(engine: KVRAGEngine) -> None:
     e = KVRAGEngine(engine.loaded, store=MemoryKVStore())
     text = f"{REEF}\n\nQuestion: How many reefs?"
     found = e.prefill(messages=[{"role": "user", "content": text}], known_chunks=[REEF])
-    assert [p.text for p in found.prompt.chunk_pieces if not p.is_prefix] == [REEF]
+    assert [p.text for p in found.prompt.chunk_pieces] == [REEF]
     altered = e.prefill(
         messages=[{"role": "user", "content": text.replace("coral", "Coral")}], known_chunks=[REEF]
     )
-    assert altered.prompt.chunk_pieces == []  # no chunk found: no prefix caching either
+    assert altered.prompt.cached_pieces == []  # no chunk found: no prefix caching either
     assert altered.token_counts()[0] == 0
 
 

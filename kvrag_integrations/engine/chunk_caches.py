@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -108,7 +109,7 @@ class ChunkCaches:
     def piece_entry_ids(self, piece: Piece) -> torch.Tensor:
         """The ids of the entry a cached piece reads (a prompt not passed through
         ``attach_suffixes`` too: its chunks read the same entries)."""
-        if piece.stored_ids is None and not piece.is_prefix:
+        if piece.stored_ids is None and piece.is_chunk:
             return self.entry_ids(piece.ids)
         return piece.entry_ids
 
@@ -170,6 +171,43 @@ class ChunkCaches:
         self.encode_and_store(list(todo.values()), batch_size, show_progress)
         return [ChunkRef(k, n) for k, n in zip(keys, lengths)]
 
+    def fetch_or_encode(
+        self,
+        ids: Sequence[torch.Tensor],
+        *,
+        store: KVStore | None = None,
+        fingerprint: str | None = None,
+        precision: str | None = None,
+        batch_size: int = 8,
+    ) -> Fetched:
+        """Each of ``ids``' cache: read from ``store``, or encoded alone and stored.
+
+        The one fetch-or-encode path for callers outside prompts (the reranker's
+        document prefixes). Reads go through ``loader`` (concurrent for disk and
+        Redis); the distinct missing ids are encoded as ``encode_and_store`` does
+        and a failed write raises ``StoreWriteError``.
+
+        Args:
+            ids: token ids, one tensor per cache (duplicates are read or encoded once).
+            store: where the caches live (default: ``store``).
+            fingerprint: the key space (default: ``fingerprint``, this engine's
+                chunk caches); a caller with its own prompts uses its own.
+            precision: the storage precision of encoded caches (default: as
+                ``encode_and_store``); ``"model"`` keeps the compute dtype.
+            batch_size: ids encoded per forward.
+        """
+        store = store if store is not None else self.store
+        fingerprint = fingerprint if fingerprint is not None else self.fingerprint
+        keys = [cache_key(fingerprint, i) for i in ids]
+        read = self.loader.get_many(store, fingerprint, keys)
+        found = {k: kv for k, kv in read.items() if kv is not None}
+        missing = {k: i for k, i in zip(keys, ids) if k not in found}
+        done, seconds = self._encode_and_store(
+            list(missing.values()), batch_size, False, store, False, fingerprint, precision
+        )
+        found.update(done)
+        return Fetched(keys, found, list(missing), seconds)
+
     def encode_and_store(
         self,
         ids: list[torch.Tensor],
@@ -187,8 +225,26 @@ class ChunkCaches:
         (``lazy``: chunks missing at query time) only logs it and returns the
         caches: the answer matters more than storing them.
         """
+        return self._encode_and_store(ids, batch_size, show_progress, store, lazy)[0]
+
+    def _encode_and_store(
+        self,
+        ids: list[torch.Tensor],
+        batch_size: int,
+        show_progress: bool,
+        store: KVStore | None,
+        lazy: bool,
+        fingerprint: str | None = None,
+        precision: str | None = None,
+    ) -> tuple[dict[str, ChunkKV], float]:
+        """``encode_and_store`` in key space ``fingerprint`` and storage ``precision``;
+        also returns the seconds spent in encoding forwards (lock wait included)."""
         store = store if store is not None else self.store
+        fingerprint = fingerprint if fingerprint is not None else self.fingerprint
+        if precision is None:
+            precision = "model" if store is self.prefix_store else self.precision
         done: dict[str, ChunkKV] = {}
+        seconds = 0.0
         writable = True
         order = sorted(ids, key=len, reverse=True)
         bar = tqdm(
@@ -199,11 +255,12 @@ class ChunkCaches:
         with bar:
             for start in range(0, len(order), step):
                 batch = order[start : start + step]
+                started = time.perf_counter()
                 with self._lock:
-                    kvs = encode_chunk_batch(self.loaded.model, batch, self.fingerprint, pad_id)
+                    kvs = encode_chunk_batch(self.loaded.model, batch, fingerprint, pad_id)
+                seconds += time.perf_counter() - started
                 for kv in kvs:
-                    if store is not self.prefix_store:
-                        kv = kv.stored_as(self.precision)
+                    kv = kv.stored_as(precision)
                     done[kv.key] = kv
                     try:
                         if writable:  # after one failure, don't wait on every other put
@@ -214,7 +271,7 @@ class ChunkCaches:
                         writable = False
                         logger.warning("chunk caches not stored (%s); answering uncached", exc)
                 bar.update(len(batch))
-        return done
+        return done, seconds
 
     def lookup(self, prompt: TokenizedPrompt) -> tuple[dict[str, ChunkKV], dict[str, Miss]]:
         """The prompt's stored caches by key, and its misses (nothing is encoded).
@@ -224,7 +281,7 @@ class ChunkCaches:
         """
         found: dict[str, ChunkKV] = {}
         missing: dict[str, Miss] = {}
-        pieces = [(self.piece_key(p), p) for p in prompt.chunk_pieces]
+        pieces = [(self.piece_key(p), p) for p in prompt.cached_pieces]
         stored = self.loader.get_many(
             self.store, self.fingerprint, [k for k, p in pieces if not p.is_prefix]
         )
@@ -286,7 +343,7 @@ class ChunkCaches:
         """The prompt's chunk caches in chunk order, on the model's device, in their
         storage form (the strategies' assembly casts or dequantizes them)."""
         device = self.loaded.device
-        keys = [self.piece_key(p) for p in prompt.chunk_pieces]
+        keys = [self.piece_key(p) for p in prompt.cached_pieces]
         return [found[k].to(device) for k in keys]
 
     def for_prompt(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
@@ -315,7 +372,7 @@ def attach_suffix(
             and prev is not None
             and prev.stored_ids is not None
             and prev.ids.numel() < prev.stored_ids.numel()
-            and not piece.is_chunk
+            and not piece.is_cached
             and piece.ids.numel() >= k
             and torch.equal(piece.ids[:k], suffix_ids)
         ):
@@ -324,7 +381,7 @@ def attach_suffix(
                 rest = piece.text.removeprefix(suffix)
                 pieces.append(replace(piece, ids=piece.ids[k:], text=rest))
             continue
-        if piece.is_chunk and not piece.is_prefix and k:
+        if piece.is_chunk and k:
             piece = replace(piece, stored_ids=torch.cat([piece.ids, suffix_ids]))
         pieces.append(piece)
     return TokenizedPrompt(pieces)
@@ -337,3 +394,18 @@ class Miss:
     ids: torch.Tensor
     store: KVStore
     is_prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What ``ChunkCaches.fetch_or_encode`` found and encoded."""
+
+    keys: list[str]  # one per input ids, in order
+    caches: dict[str, ChunkKV]  # every input's cache, by key (storage form)
+    encoded: list[str]  # distinct keys encoded and stored by this call
+    encode_s: float  # seconds in encoding forwards
+
+    @property
+    def reused(self) -> int:
+        """Distinct caches read from the store."""
+        return len(self.caches) - len(self.encoded)

@@ -15,6 +15,7 @@ import torch
 from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.engine import registry
 from kvrag_integrations.engine.background import BackgroundEncoder
+from kvrag_integrations.engine.chat_template import Message, render_chat
 from kvrag_integrations.engine.chunk_caches import DEFAULT_CHUNK_SUFFIX, ChunkCaches
 from kvrag_integrations.engine.generate import (
     GenerationResult,
@@ -27,17 +28,15 @@ from kvrag_integrations.engine.results import ChunkRef, GenerationStream, Prefil
 from kvrag_integrations.engine.segments import (
     DEFAULT_INSTRUCTION,
     Chunk,
-    Message,
     Segment,
     Text,
     TokenizedPrompt,
     cache_leading_text,
     check_text,
     rag_user_segments,
-    render_chat,
     tokenize_segments,
 )
-from kvrag_integrations.engine.spans import ChunkIndex
+from kvrag_integrations.engine.spans import ChunkIndex, message_segments
 from kvrag_integrations.engine.strategies import Strategy, make_strategy
 from kvrag_integrations.errors import check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
@@ -321,8 +320,9 @@ class KVRAGEngine:
         - ``segments``: the user message (or, with ``chat_template=False``, the
           whole prompt) as ``Text`` / ``Chunk`` segments;
         - ``messages``: ``{"role", "content"}`` dicts whose content is a string
-          or a list of segments. Strings are split where a known chunk appears:
-          one this engine has encoded, or one of ``known_chunks``.
+          or a list of strings and segments. Strings are split where a known
+          chunk appears: one this engine has encoded, or one of ``known_chunks``
+          (``spans.message_segments``).
         """
         if sum(x is not None for x in (question, segments, messages)) != 1:
             raise ValueError("pass exactly one of question (with chunks), segments or messages")
@@ -362,14 +362,7 @@ class KVRAGEngine:
             raise TypeError(f"a message role must be a str, got {type(role).__name__}")
         if not _ROLE_RE.fullmatch(role):  # the template writes roles as markup
             raise ValueError(f"a message role must be a plain name like 'user', got {role!r}")
-        content = message["content"]
-        if isinstance(content, str):
-            return role, self.chunk_index.split(check_text(content, "content"), known_chunks)
-        if isinstance(content, (list, tuple)) and all(
-            isinstance(s, (Text, Chunk)) for s in content
-        ):
-            return role, list(content)
-        raise TypeError("message content must be a string or a list of Text/Chunk segments")
+        return role, message_segments(message["content"], self.chunk_index, known_chunks)
 
     def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
         """Tokenize segments (each alone) into a prompt."""

@@ -67,7 +67,7 @@ class PrefillResult:
         start = 0
         for piece in self.prompt.pieces:
             n = piece.ids.numel()
-            if piece.is_chunk and cache_key(self.fingerprint, piece.entry_ids) in self.lazy_keys:
+            if piece.is_cached and cache_key(self.fingerprint, piece.entry_ids) in self.lazy_keys:
                 lazy[start : start + n] = True
             start += n
         return self.output.token_counts(lazy)

@@ -148,7 +148,7 @@ class CacheBlend(ChunkReuse):
         starts = torch.zeros(kv.num_tokens, dtype=torch.bool, device=kv.device)
         offset = 0
         for piece in prompt.pieces:
-            if piece.is_chunk and not piece.is_prefix:
+            if piece.is_chunk:
                 starts[offset : offset + min(n, piece.ids.numel())] = True
             offset += piece.ids.numel()
         return starts

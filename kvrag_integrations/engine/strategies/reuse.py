@@ -54,7 +54,7 @@ class ChunkReuse(Strategy):
         for piece in prompt.pieces:
             n = piece.ids.numel()
             span = slice(start, start + n)
-            if piece.is_chunk:
+            if piece.is_cached:
                 at = next_pos if self.positions == "reordered" else 0
                 placed.append((span, stored_kv(next(chunk_iter))))
                 pos[span] = torch.arange(at, at + n)
