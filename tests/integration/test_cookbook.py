@@ -22,7 +22,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "cookbook").glob("*.ipynb"))
 CELL_TIMEOUT_S = 600
 

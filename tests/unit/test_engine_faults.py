@@ -28,6 +28,7 @@ from kvrag_integrations import (
     UnknownStrategyError,
 )
 from kvrag_integrations.chunk_kv import ChunkKV
+from kvrag_integrations.engine.segments import Chunk
 from kvrag_integrations.store import decode_entry
 
 CHUNK = "The Rosetta Stone was found in 1799 near the town of Rashid in Egypt."
@@ -237,3 +238,33 @@ def test_keys_and_paths_come_from_hashes(engine: KVRAGEngine, tmp_path: Path, te
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert files == [root / ref.key[:2] / f"{ref.key}.safetensors"]
     assert files[0].resolve().is_relative_to(root.resolve())
+
+
+# ------------------------------------------------- tampered entries in the store
+def test_reingestion_repairs_a_truncated_entry(tmp_path: Path, engine) -> None:
+    e = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path), on_miss="encode")
+    text = "The Rosetta Stone was found in 1799 near Rashid."
+    (ref,) = e.encode_chunks([text], show_progress=False)
+    path = next(tmp_path.glob(f"??/{ref.key}.safetensors"))
+    intact = path.read_bytes()
+    path.write_bytes(intact[: len(intact) // 2])
+    e.encode_chunks([text], show_progress=False)  # verifies, finds it broken, re-encodes
+    repaired, original = decode_entry(path.read_bytes()), decode_entry(intact)
+    assert torch.equal(repaired.keys, original.keys)
+    assert torch.equal(repaired.values, original.values)
+
+
+def test_an_entry_of_the_wrong_shape_never_reaches_the_model(tmp_path: Path, engine) -> None:
+    """Right fingerprint and key, valid checksum, wrong layout (a forgery without the
+    MAC): the engine treats it as a miss instead of crashing deep in torch."""
+    e = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path), on_miss="encode")
+    text = "Champollion deciphered the hieroglyphs in 1822."
+    ids = e.tokenize([Chunk(text)]).input_ids
+    n = ids.numel()
+    e.store.put(ChunkKV(ids, torch.zeros(2, 1, n, 4), torch.zeros(2, 1, n, 4), e.fingerprint))
+    result = e.generate(question="Who deciphered them?", chunks=[text], max_new_tokens=2)
+    assert result.lazily_encoded_chunks == 1  # the bad entry was a miss, encoded again
+    config = e.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layout = (config.num_hidden_layers, config.num_key_value_heads, n, head_dim)
+    assert e.store.get(e.chunk_key(text), e.fingerprint).keys.shape == layout  # not (2, 1, n, 4)

@@ -17,7 +17,7 @@ from kvrag_integrations.chunk_kv import ChunkKV, storage_fingerprint
 from kvrag_integrations.cli import main
 from kvrag_integrations.store import DiskKVStore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FILES = {
     "australia.md": "# Australia\n\nCanberra is the capital city of Australia. "
     "It was chosen in 1908 as a compromise between Sydney and Melbourne.\n",
