@@ -1,10 +1,14 @@
-"""Integration tier fixtures: the real default model, loaded once per test run."""
+"""Integration tier fixtures: the real default model (loaded once per test run), Redis."""
 
 from __future__ import annotations
 
-import pytest
+import time
+from collections.abc import Iterator
 
-from kvrag_integrations import KVRAGEngine
+import pytest
+from redis_helpers import RedisServer, find_redis_server
+
+from kvrag_integrations import KVRAGEngine, RedisKVStore
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +27,28 @@ def engine() -> KVRAGEngine:
     shared.on_miss = "encode"
     shared.cache_precision = "model"
     return shared
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server on loopback for the run (no persistence); skips when there is none."""
+    pytest.importorskip("redis", reason="the redis client is missing: pip install -e '.[test]'")
+    if (binary := find_redis_server()) is None:
+        pytest.skip("redis-server not found (apt-get install redis-server; .ci/run installs it)")
+    srv = RedisServer(binary, tmp_path_factory.mktemp("redis")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def redis_prefix(request: pytest.FixtureRequest) -> str:
+    """A key prefix of this test's own: tests share the server, never keys."""
+    return f"t-{request.node.originalname}-{time.monotonic_ns()}:"
+
+
+@pytest.fixture()
+def redis_store(redis_server: RedisServer, redis_prefix: str) -> Iterator[RedisKVStore]:
+    """A RedisKVStore on ``redis_server`` under ``redis_prefix``."""
+    store = RedisKVStore(redis_server.url, prefix=redis_prefix)
+    yield store
+    store.close()

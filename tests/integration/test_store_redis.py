@@ -1,23 +1,21 @@
-"""RedisKVStore against a real redis-server started on loopback for this module."""
+"""RedisKVStore against a real redis-server started on loopback for this run.
+
+The store alone: round trips, namespaces, split values, damaged values, a dead
+or silent server. The engine over Redis is in test_engine_redis.py.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 import socket
-import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
+from redis_helpers import DAMAGE, RedisServer, flip, free_port, raw_keys
 
-from kvrag_integrations import KVRAGEngine, RedisKVStore, TieredKVStore
+from kvrag_integrations import RedisKVStore
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store.codec import encode_entry
@@ -26,61 +24,12 @@ from kvrag_integrations.store.redis import _MANIFEST_MAGIC
 redis = pytest.importorskip("redis", reason="the redis client is missing: pip install -e '.[test]'")
 
 FP = "fp-test"
-CHUNK = "The Hubble Space Telescope was launched in April 1990 aboard the shuttle Discovery."
-QUESTION = "When was the Hubble Space Telescope launched?"
-
-
-def find_redis_server() -> str | None:
-    candidates = [shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/sbin/redis-server"]
-    return next((p for p in candidates if p and os.access(p, os.X_OK)), None)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RedisServer:
-    """A throwaway redis-server: no persistence, loopback only, stoppable and restartable."""
-
-    def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
-        self.binary, self.workdir, self.port = binary, workdir, port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> RedisServer:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir)]
-        args += ["--save", "", "--appendonly", "no"]  # nothing survives a kill: a real loss
-        with open(self.workdir / "redis.log", "ab") as log:
-            self.proc = subprocess.Popen([self.binary, *args], stdout=log, stderr=log)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
-        deadline = time.monotonic() + 20
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(redis.RedisError):
-                if client.ping():
-                    client.close()
-                    return self
-            time.sleep(0.05)
-        self.stop()
-        log_text = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"redis-server did not come up on {self.port}:\n{log_text}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # a crash, as far as clients can tell
-            self.proc.wait(timeout=10)
-        self.proc = None
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    if (binary := find_redis_server()) is None:
-        pytest.skip("redis-server not found (apt-get install redis-server; .ci/run installs it)")
-    srv = RedisServer(binary, tmp_path_factory.mktemp("redis")).start()
-    yield srv
-    srv.stop()
+def server(redis_server: RedisServer) -> RedisServer:
+    """The run's redis-server (tests/integration/conftest.py); skips without one."""
+    return redis_server
 
 
 @pytest.fixture()
@@ -99,11 +48,6 @@ def make_kv(seed: int = 0, n: int = 16, dtype: torch.dtype = torch.float32) -> C
     gen, shape = torch.Generator().manual_seed(seed), (2, 2, n, 8)
     keys, values = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     return ChunkKV(torch.randint(0, 32000, (n,), generator=gen), keys, values, FP)
-
-
-def raw_keys(store: RedisKVStore) -> set[str]:
-    """Every Redis key under the store's prefix, parts included."""
-    return {k.decode() for k in store.client.scan_iter() if k.decode().startswith(store.prefix)}
 
 
 def assert_same(a: ChunkKV | None, b: ChunkKV) -> None:
@@ -171,19 +115,6 @@ def test_split_entry_round_trips_with_ttl_and_a_missing_part_is_a_miss(
     assert store.get(kv.key, FP) is not None
 
 
-def _flip(data: bytes) -> bytes:
-    return data[:-3] + bytes([data[-3] ^ 0xFF]) + data[-2:]
-
-
-DAMAGE = {
-    "truncated": lambda data, kv: data[: len(data) // 2],
-    "bit-flip": lambda data, kv: _flip(data),
-    "foreign-fingerprint": lambda data, kv: encode_entry(
-        ChunkKV(kv.token_ids, kv.keys, kv.values, "another-model")
-    ),
-}
-
-
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
 @pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
 def test_damaged_values_are_misses(server: RedisServer, prefix: str, damage, split: bool) -> None:
@@ -228,9 +159,9 @@ def test_entries_and_check_read_headers_only(server: RedisServer, prefix: str, s
             (k for k in raw_keys(store) if k.startswith(prefix + bad.key + ":part:")),
             key=lambda k: int(k.rsplit(":", 1)[1]),
         )
-        store.client.set(last, _flip(store.client.get(last)))
+        store.client.set(last, flip(store.client.get(last)))
     else:
-        store.client.set(prefix + bad.key, _flip(store.client.get(prefix + bad.key)))
+        store.client.set(prefix + bad.key, flip(store.client.get(prefix + bad.key)))
     infos = {info.key: info for info in store.entries()}
     assert set(infos) == {good.key, foreign.key, bad.key}
     assert infos[good.key].nbytes == len(encode_entry(good))  # the whole blob, even when split
@@ -239,88 +170,6 @@ def test_entries_and_check_read_headers_only(server: RedisServer, prefix: str, s
     assert all(abs(info.updated_at - time.time()) < 60 for info in infos.values())
     assert store.check(good.key) is None and store.check(foreign.key) is None
     assert "checksum" in store.check(bad.key)
-
-
-# ------------------------------------------------------------------ with the engine
-@pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
-def test_engine_recomputes_a_damaged_entry(engine: KVRAGEngine, store: RedisKVStore, damage):
-    eng = KVRAGEngine(engine.loaded, store=store, on_miss="encode")  # recompute on the request
-    (ref,) = eng.encode_chunks([CHUNK], show_progress=False)
-    rkey = store.prefix + ref.key
-    good = eng.store.get(ref.key, eng.fingerprint)
-    store.client.set(rkey, damage(store.client.get(rkey), good))
-
-    result = eng.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=4)
-    assert result.generated_tokens > 0 and result.lazily_encoded_chunks == 1
-    assert store.stats.rejected == 1
-    again = eng.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=4)
-    assert again.lazily_encoded_chunks == 0 and again.text == result.text  # rewritten, reused
-
-
-def test_server_killed_mid_run_then_back(
-    engine: KVRAGEngine, server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    own = RedisServer(server.binary, tmp_path / "redis").start()  # ours to kill
-    try:
-        store = RedisKVStore(own.url)
-        eng = KVRAGEngine(engine.loaded, store=store, on_miss="encode")
-        eng.encode_chunks([CHUNK], show_progress=False)
-        baseline = eng.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=4)
-        assert baseline.lazily_encoded_chunks == 0
-
-        own.stop()
-        started = time.monotonic()
-        down = eng.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=4)
-        assert down.text == baseline.text and down.lazily_encoded_chunks == 1  # recomputed
-        assert "answering uncached" in caplog.text and time.monotonic() - started < 30
-        with pytest.raises(StoreWriteError):
-            eng.encode_chunks(["Ingestion must say the store is down."], show_progress=False)
-
-        own.start()  # same port, empty (no persistence); same store object
-        kv = make_kv()
-        store.put(kv)
-        assert store.get(kv.key, FP) is not None
-        first = eng.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=4)
-        second = eng.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=4)
-        assert first.lazily_encoded_chunks == 1 and second.lazily_encoded_chunks == 0
-        assert second.text == baseline.text
-    finally:
-        own.stop()
-
-
-@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
-def test_concurrent_ingestion_writes_one_valid_entry(
-    engine: KVRAGEngine, server: RedisServer, prefix: str, split: bool
-) -> None:
-    store = RedisKVStore(server.url, prefix=prefix, max_value_bytes=64 * 1024 if split else 2**26)
-    eng = KVRAGEngine(engine.loaded, store=store)
-    barrier = threading.Barrier(8)
-
-    def ingest() -> str:
-        barrier.wait()
-        return eng.encode_chunks([CHUNK], show_progress=False)[0].key
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        keys = {f.result() for f in [pool.submit(ingest) for _ in range(8)]}
-    (key,) = keys
-    assert list(store.keys()) == [key]
-    got = store.get(key, eng.fingerprint)
-    assert got is not None and got.key == key
-    # Besides the entry (and its parts), at most parts of overwritten copies, expiring.
-    current = {prefix + key} | set(store._old_parts(store.client, prefix + key))
-    assert split == (len(current) > 1)
-    assert all(store.client.pttl(k) > 0 for k in raw_keys(store) - current)
-
-
-def test_tiered_over_redis_promotes_shared_entries(engine: KVRAGEngine, store: RedisKVStore):
-    writer = KVRAGEngine(engine.loaded, store=store)  # another worker, same Redis
-    writer.encode_chunks([CHUNK], show_progress=False)
-    tiered = TieredKVStore(store, max_bytes=64 * 2**20)
-    reader = KVRAGEngine(engine.loaded, store=tiered)
-    for _ in range(2):
-        result = reader.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=2)
-        assert result.lazily_encoded_chunks == 0
-    assert tiered.tier_stats["backend"]["hits"] == 1 and tiered.tier_stats["memory"]["hits"] == 1
 
 
 @pytest.mark.parametrize("precision", ["float16", "bfloat16", "int8", "model"])
@@ -334,3 +183,26 @@ def test_round_trip_per_storage_precision(store: RedisKVStore, precision: str) -
         assert other.dtype == tensor.dtype and torch.equal(other, tensor), name
     keys = got.to("cpu", torch.float32).keys
     assert keys.dtype == torch.float32 and torch.allclose(keys, kv.to("cpu", torch.float32).keys)
+
+
+# ------------------------------------------------------ a server that is not there
+def test_dead_or_silent_redis_does_not_hang() -> None:
+    pytest.importorskip("redis", reason="the redis client is missing: pip install -e '.[test]'")
+    kv = ChunkKV(torch.arange(4), torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), FP)
+    dead = RedisKVStore(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens
+    started = time.monotonic()
+    assert dead.get(kv.key, FP) is None and not dead.contains(kv.key)
+    with pytest.raises(StoreWriteError, match="cannot write"):
+        dead.put(kv)
+    assert time.monotonic() - started < 5
+    assert dead.stats.misses == 1 and dead.stats.rejected == 0  # down is a miss, not damage
+
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        mute = RedisKVStore(f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+        started = time.monotonic()
+        assert mute.get(kv.key, FP) is None
+        with pytest.raises(StoreWriteError):
+            mute.put(kv)
+        assert time.monotonic() - started < 15  # ~1 s timeout, one retry, per call
