@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from kvrag_integrations import KVRAGEngine
+from kvrag_integrations import embeddings as embeddings_module
 from kvrag_integrations.engine import model as model_module
 from kvrag_integrations.engine.layout import ModelLayout
 from kvrag_integrations.engine.model import LoadedModel, model_fingerprint
@@ -78,7 +79,7 @@ def engine(tiny_loaded: LoadedModel) -> KVRAGEngine:
 
 @pytest.fixture(autouse=True)
 def no_real_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loading the bundled default model fails in this tier (tests/integration has it).
+    """Loading the bundled default model or MiniLM fails in this tier (tests/integration has them).
 
     Per test, not per session: a run of both tiers goes on to tests/integration.
     """
@@ -90,3 +91,4 @@ def no_real_weights(monkeypatch: pytest.MonkeyPatch) -> None:
         )
 
     monkeypatch.setattr(model_module, "default_model_file", refuse)
+    monkeypatch.setattr(embeddings_module, "default_embedding_path", refuse)
