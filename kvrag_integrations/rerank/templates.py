@@ -109,7 +109,7 @@ class RerankTemplate:
 
 
 # The default, for instruct chat models. The wording was checked on
-# SmolLM2-135M-Instruct (tests/test_rerank.py ranks a verbatim answer first).
+# SmolLM2-135M-Instruct (tests/integration/test_rerank.py ranks a verbatim answer first).
 # "Document:" ends with a newline, not a space, so that the document's first
 # word keeps the token it has in running text (byte-level BPE glues a leading
 # space to the next word).
