@@ -167,7 +167,8 @@ def test_batched_encoding_equals_encoding_alone(engine: KVRAGEngine) -> None:
     b = alone.store.get(refs[1].key, engine.fingerprint)
     torch.testing.assert_close(a.keys, b.keys, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(a.values, b.values, atol=2e-4, rtol=1e-4)
-    assert refs[1].num_tokens == a.num_tokens
+    # The entry holds the chunk, then the chunk suffix ("\n\n") read where a prompt continues it.
+    assert refs[1].num_tokens + batched.caches.suffix_ids.numel() == a.num_tokens
 
 
 def test_encode_chunks_is_idempotent(engine: KVRAGEngine) -> None:
@@ -340,6 +341,7 @@ def test_cold_request_is_a_full_prefill_and_the_next_one_reuses(engine: KVRAGEng
     warm = e.generate(strategy="turbo", **kw)
     assert warm.fallback is None and warm.strategy == "turbo" and warm.deferred_chunks == 0
     chunk_tokens = sum(e.tokenize([Chunk(c)]).num_tokens for c in (TOWER, REEF))
+    chunk_tokens += e.caches.suffix_ids.numel()  # the "\n\n" after TOWER, read with it
     assert warm.reused_chunk_tokens == chunk_tokens
     assert warm.reused_prefix_tokens > 0  # the leading text was encoded in the background too
     assert warm.reused_tokens == warm.reused_chunk_tokens + warm.reused_prefix_tokens
