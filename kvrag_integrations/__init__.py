@@ -21,6 +21,7 @@ from kvrag_integrations.engine import (
     cache_key,
     make_strategy,
 )
+from kvrag_integrations.engine.registry import SharedEngines, shared_engines
 from kvrag_integrations.errors import (
     CacheEntryError,
     ContextWindowExceededError,
@@ -61,6 +62,7 @@ __all__ = [
     "PrefillResult",
     "RedisKVStore",
     "SamplingParams",
+    "SharedEngines",
     "StoreWriteError",
     "Strategy",
     "Text",
@@ -71,4 +73,5 @@ __all__ = [
     "__version__",
     "cache_key",
     "make_strategy",
+    "shared_engines",
 ]

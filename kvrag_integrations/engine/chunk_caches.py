@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,7 +56,6 @@ class ChunkCaches:
         self,
         loaded: LoadedModel,
         store: KVStore,
-        lock: threading.RLock,
         precision: str = "float16",
     ) -> None:
         self.loaded = loaded
@@ -66,7 +64,6 @@ class ChunkCaches:
         self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
         self.index = ChunkIndex()
         self.loader = ChunkLoader()
-        self._lock = lock  # the engine's: one forward at a time
 
     @property
     def fingerprint(self) -> str:
@@ -156,7 +153,7 @@ class ChunkCaches:
         with bar:
             for start in range(0, len(order), step):
                 batch = order[start : start + step]
-                with self._lock:
+                with self.loaded.lock:  # one forward at a time on these weights
                     kvs = encode_chunk_batch(self.loaded.model, batch, self.fingerprint, pad_id)
                 for kv in kvs:
                     if store is not self.prefix_store:

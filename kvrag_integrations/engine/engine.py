@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -97,11 +97,8 @@ class KVRAGEngine:
         self.on_miss = _check_on_miss(on_miss)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        # One forward at a time: torch modules are not re-entrant across threads
-        # on shared buffers, and interleaving would only slow each request down.
-        self._lock = threading.RLock()
         self.caches = ChunkCaches(
-            loaded, store if store is not None else MemoryKVStore(), self._lock, cache_precision
+            loaded, store if store is not None else MemoryKVStore(), cache_precision
         )
         self.encoder = BackgroundEncoder(self.caches.encode_jobs, max_pending=max_pending)
         registry.note_engine(self)
@@ -137,11 +134,12 @@ class KVRAGEngine:
             trust_remote_code: passed to transformers.
             attn_implementation: ``"sdpa"`` or ``"eager"``; None picks what the model
                 supports (reuse strategies need one of these two).
-            share: register the engine as the process's shared engine for
-                ``(model, device, dtype)`` (what ``KVRAGEngine.shared`` and adapters
-                built without an engine use): ``None`` (default) if none is
-                registered yet, ``True`` replacing any, ``False`` never. An engine
-                with an adapter is never registered by default.
+            share: register the engine as the process's default shared engine for
+                ``(model, device, dtype)`` in ``registry.shared_engines`` (what
+                ``KVRAGEngine.shared`` and adapters built without an engine use):
+                ``None`` (default) if none is registered yet, ``True`` replacing
+                any, ``False`` never. An engine with an adapter is never
+                registered by default.
             cache_precision: how chunk caches are stored: ``"float16"`` (default),
                 ``"bfloat16"``, ``"int8"`` or ``"model"`` (full precision); see
                 ``KVRAGEngine``.
@@ -158,8 +156,8 @@ class KVRAGEngine:
         )
         engine = cls(loaded, store=store, cache_precision=cache_precision, **engine_options)
         if share or (share is None and adapter is None):
-            registry.register_shared(
-                registry.shared_key(model, device, dtype), engine, replace=bool(share)
+            registry.shared_engines.register(
+                engine, model, device=device, dtype=dtype, replace=bool(share)
             )
         return engine
 
@@ -170,18 +168,22 @@ class KVRAGEngine:
         *,
         device: str | torch.device | None = "cpu",
         dtype: str | torch.dtype | None = None,
+        store: KVStore | None = None,
+        cache_precision: str | None = None,
     ) -> KVRAGEngine:
-        """One engine per (model, device, dtype) in this process, loaded on first use.
+        """The process's shared engine for these arguments, loaded on first use.
 
         Adapters built without an engine (``KVRAGLLM()``, ``ChatKVRAG(model=...)``)
         use it, so that every instance shares one copy of the weights and one
-        store. The first ``from_pretrained`` of a model registers itself here,
-        so an engine loaded for ingestion is the one a default adapter finds
-        (see ``kvrag_integrations.engine.registry``).
+        store. The first ``from_pretrained`` of a model registers itself as the
+        model's default here, so an engine loaded for ingestion is the one a
+        default adapter finds. With ``store`` or ``cache_precision``, the shared
+        engine with that store and precision (on the same weights). Delegates
+        to ``kvrag_integrations.shared_engines`` (``registry.SharedEngines``),
+        whose ``reset()`` forgets them.
         """
-        key = registry.shared_key(model, device, dtype)
-        return registry.get_or_load(
-            key, lambda: cls.from_pretrained(model, device=device, dtype=dtype, share=False)
+        return registry.shared_engines.get(
+            model, device=device, dtype=dtype, store=store, cache_precision=cache_precision
         )
 
     # ----------------------------------------------------------------- facts
@@ -208,6 +210,21 @@ class KVRAGEngine:
     @property
     def device(self) -> torch.device:
         return self.loaded.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of the weights (``loaded.dtype``)."""
+        return self.loaded.dtype
+
+    def exclusive(self) -> AbstractContextManager[Any]:
+        """Hold the weights' forward lock (``loaded.lock``) for a block of forwards.
+
+        Every forward on the model, by this engine or any other engine on the
+        same ``LoadedModel``, runs under this lock; code that runs its own
+        forwards on ``engine.model`` (the reranker) does so inside
+        ``with engine.exclusive():``. Re-entrant.
+        """
+        return self.loaded.lock
 
     @property
     def context_window(self) -> int:
@@ -363,7 +380,9 @@ class KVRAGEngine:
         """Tokenize segments (each alone) into a prompt."""
         return tokenize_segments(self.tokenizer, segments)
 
-    def _check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
+    def check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
+        """Raise ``ContextWindowExceededError`` naming ``what`` if ``n_tokens`` prompt
+        tokens plus ``new_tokens`` to generate exceed the context window."""
         check_fits(n_tokens, self.context_window, what, new_tokens)
 
     # -------------------------------------------------------------- prefill
@@ -409,7 +428,7 @@ class KVRAGEngine:
         prompt = self.tokenize(segs)
         if prompt.num_tokens == 0:
             raise ValueError("the prompt is empty")
-        self._check_fits(prompt.num_tokens, "the prompt", max_new_tokens)
+        self.check_fits(prompt.num_tokens, "the prompt", max_new_tokens)
         on_miss = self.on_miss if on_miss is None else _check_on_miss(on_miss)
         if not strat.uses_chunk_caches:
             return self._run(strat, prompt, [], set(), started)
@@ -440,7 +459,7 @@ class KVRAGEngine:
         lazy: set[str],
         started: float,
     ) -> PrefillResult:
-        with self._lock:
+        with self.loaded.lock:
             output = strat.prefill(self.loaded, prompt, kvs)
         elapsed = time.perf_counter() - started
         return PrefillResult(output, prompt, strat.name, lazy, self.fingerprint, elapsed)
@@ -548,7 +567,7 @@ class KVRAGEngine:
                     result,
                     started,
                     self.eos_token_ids,
-                    lock=self._lock,
+                    lock=self.loaded.lock,
                 )
             finally:  # misses of a fallback: encoded once this request is answered
                 result.deferred_chunks = self.queue_deferred(pre)

@@ -280,7 +280,7 @@ class KVReranker:
         return docs
 
     def _check_fits(self, n_tokens: int) -> None:
-        self.engine._check_fits(n_tokens, "a rerank prompt")
+        self.engine.check_fits(n_tokens, "a rerank prompt")
         windows = [w for w in self.engine.loaded.layout.windows if w is not None]
         window = min(windows, default=None)
         # Our explicit 4D mask is full attention; a sliding-window layer would see
@@ -310,14 +310,14 @@ class KVReranker:
         for start in range(0, len(todo), self.batch_size):
             batch = todo[start : start + self.batch_size]
             started = time.perf_counter()
-            with self.engine._lock:
+            with self.engine.exclusive():
                 kvs = encode_chunk_batch(self.engine.model, batch, fp, pad_id)
             self.stats.forward_s += time.perf_counter() - started
             for kv in kvs:
                 self.store.put(kv)
                 found[kv.key] = kv
         self.stats.prefixes_encoded += len(missing)
-        device, dtype = self.engine.device, self.engine.loaded.dtype
+        device, dtype = self.engine.device, self.engine.dtype
         return [found[k].to(device, dtype) for k in keys]
 
     def _score_batches(
@@ -362,7 +362,7 @@ class KVReranker:
         prefix_lens = prefix_lens or [0] * len(ids)
         lm = self.engine.model
         device = self.engine.device
-        dtype = self.engine.loaded.dtype
+        dtype = self.engine.dtype
         batch, width = len(ids), max(t.numel() for t in ids)
         p_max = max(prefix_lens)
         lens = torch.tensor([t.numel() for t in ids])
@@ -393,7 +393,7 @@ class KVReranker:
             mask = mask[:, None].to(device)
         cache = self._batch_cache(kvs, p_max) if kvs is not None else None
         started = time.perf_counter()
-        with self.engine._lock:
+        with self.engine.exclusive():
             out = lm(
                 input_ids=input_ids.to(device),
                 position_ids=positions.to(device),
