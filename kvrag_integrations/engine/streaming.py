@@ -19,6 +19,7 @@ the adapters' async paths need no thread of their own.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import contextvars
 import threading
@@ -146,8 +147,17 @@ def answer(
             result.deferred_chunks = engine.queue_deferred(pre)
 
 
+# Workers still running, so that exit stops them between tokens (a daemon thread
+# killed mid-forward aborts the process).
+_RUNNING: set[tuple[threading.Thread, threading.Event]] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
 def _work(job: Job, channel: Channel, cancel: threading.Event) -> None:
     # Holds no reference to the stream object: dropping it cancels the request.
+    me = (threading.current_thread(), cancel)
+    with _RUNNING_LOCK:
+        _RUNNING.add(me)
     try:
         for piece in job(cancel):
             channel.put(_TEXT, piece)
@@ -155,6 +165,19 @@ def _work(job: Job, channel: Channel, cancel: threading.Event) -> None:
         channel.put(_ERROR, exc)
     else:
         channel.put(_DONE)
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(me)
+
+
+@atexit.register
+def _stop_all(timeout: float = 30.0) -> None:
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for _, cancel in running:
+        cancel.set()
+    for thread, _ in running:
+        thread.join(timeout)
 
 
 class _Stream:
