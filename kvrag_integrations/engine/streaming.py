@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import contextvars
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from functools import partial
@@ -147,17 +148,15 @@ def answer(
             result.deferred_chunks = engine.queue_deferred(pre)
 
 
-# Workers still running, so that exit stops them between tokens (a daemon thread
-# killed mid-forward aborts the process).
-_RUNNING: set[tuple[threading.Thread, threading.Event]] = set()
-_RUNNING_LOCK = threading.Lock()
+# Every worker thread still alive, with its cancel event: exit stops them
+# between tokens and waits for them to end (a daemon thread killed mid-forward,
+# or while it drops its prompt cache, aborts the process).
+_WORKERS: weakref.WeakKeyDictionary[threading.Thread, threading.Event] = weakref.WeakKeyDictionary()
+_WORKERS_LOCK = threading.Lock()
 
 
 def _work(job: Job, channel: Channel, cancel: threading.Event) -> None:
     # Holds no reference to the stream object: dropping it cancels the request.
-    me = (threading.current_thread(), cancel)
-    with _RUNNING_LOCK:
-        _RUNNING.add(me)
     try:
         for piece in job(cancel):
             channel.put(_TEXT, piece)
@@ -165,18 +164,15 @@ def _work(job: Job, channel: Channel, cancel: threading.Event) -> None:
         channel.put(_ERROR, exc)
     else:
         channel.put(_DONE)
-    finally:
-        with _RUNNING_LOCK:
-            _RUNNING.discard(me)
 
 
 @atexit.register
 def _stop_all(timeout: float = 30.0) -> None:
-    with _RUNNING_LOCK:
-        running = list(_RUNNING)
-    for _, cancel in running:
+    with _WORKERS_LOCK:
+        workers = list(_WORKERS.items())
+    for _, cancel in workers:
         cancel.set()
-    for thread, _ in running:
+    for thread, _ in workers:
         thread.join(timeout)
 
 
@@ -193,6 +189,8 @@ class _Stream:
             name="kvrag-decode",
             daemon=True,
         )
+        with _WORKERS_LOCK:
+            _WORKERS[self._worker] = self._cancel
         self._worker.start()
 
     def _take(self, message: tuple[str, Any]) -> str:
