@@ -1,33 +1,15 @@
-"""Shared fixtures: the real default model, loaded once per test run."""
+"""Fixtures and settings both tiers share (tests/unit and tests/integration).
+
+Tier-specific fixtures live in ``tests/unit/conftest.py`` (a tiny random model)
+and ``tests/integration/conftest.py`` (the real default model, a Redis server).
+"""
 
 from __future__ import annotations
 
 import os
-
-import pytest
 
 # No model hub and no telemetry: tests must run on a machine without internet.
 # One setting for every chromadb client in the run (chromadb refuses two
 # in-process clients whose settings differ).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
-
-from kvrag_integrations import KVRAGEngine
-
-
-@pytest.fixture(scope="session")
-def engine() -> KVRAGEngine:
-    """The bundled SmolLM2-135M-Instruct on CPU (the process-wide shared engine).
-
-    Set to encode missed chunks on the request path (``on_miss="encode"``):
-    strategy and exactness tests compare strategies on chunks they did not
-    encode first. Tests of the default (``"defer"``: plain prefill, background
-    encoding) build their own engine on ``engine.loaded``.
-
-    Chunk caches are stored at model precision (``cache_precision="model"``):
-    exactness tests compare reuse against full prefill with float32 tolerances.
-    """
-    shared = KVRAGEngine.shared()
-    shared.on_miss = "encode"
-    shared.cache_precision = "model"
-    return shared

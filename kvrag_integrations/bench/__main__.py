@@ -84,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--preset",
         default=None,
-        help="quality: default, ablation, sinks, refresh, agreement or precision",
+        help="quality: default, ablation, sinks, refresh, agreement, precision or suffix",
     )
     p.add_argument(
         "--no-loglik", action="store_true", help="quality: skip the gold log-likelihood prefill"

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import random
 import re
 import string
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -105,8 +105,9 @@ def paired_bootstrap(
     """A paired comparison over the same questions, with a bootstrap interval.
 
     Questions are resampled with replacement, keeping each question's pair
-    together, so the interval reflects how much the verdict depends on which
-    questions were drawn.
+    together (``scipy.stats.bootstrap(..., paired=True)``, percentile interval),
+    so the interval reflects how much the verdict depends on which questions
+    were drawn.
 
     Args:
         values: one number per question for the strategy under test.
@@ -120,7 +121,8 @@ def paired_bootstrap(
         seed: the resampling seed (the interval is reproducible).
 
     Returns:
-        ``(estimate, low, high)``.
+        ``(estimate, low, high)``; a single question, or questions that all
+        give the same statistic, give ``(estimate, estimate, estimate)``.
 
     Examples:
         >>> paired_bootstrap([1.0, 2.0, 3.0], [2.0, 4.0, 6.0])[0]
@@ -132,20 +134,35 @@ def paired_bootstrap(
     """
     if not values or (baseline is not None and len(values) != len(baseline)):
         raise ValueError("need the same non-empty list of questions on both sides")
+    from scipy import stats
 
-    def stat(idx: list[int]) -> float:
-        a = sum(values[i] for i in idx) / len(idx)
-        if baseline is None:
-            return a
-        b = sum(baseline[i] for i in idx) / len(idx)
+    data = (np.asarray(values, dtype=float),)
+    if baseline is not None:
+        data += (np.asarray(baseline, dtype=float),)
+
+    def statistic(a: np.ndarray, b: np.ndarray | None = None, axis: int = -1) -> np.ndarray:
+        mean = a.mean(axis=axis)
+        if b is None:
+            return mean
+        base = b.mean(axis=axis)
         if not ratio:
-            return a - b
-        return a / b if b else float("inf")
+            return mean - base
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(base != 0, mean / np.where(base != 0, base, 1.0), np.inf)
 
-    n = len(values)
-    rng = random.Random(seed)
-    draws = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
-    tail = (1 - level) / 2
-    low = draws[round(tail * (resamples - 1))]
-    high = draws[round((1 - tail) * (resamples - 1))]
-    return stat(list(range(n))), low, high
+    estimate = float(statistic(*data))
+    if len(values) < 2 or all(len(set(d.tolist())) == 1 for d in data):
+        return estimate, estimate, estimate  # nothing to resample: no spread
+    with np.errstate(invalid="ignore"):  # an infinite ratio in some resamples
+        result = stats.bootstrap(
+            data,
+            statistic,
+            n_resamples=resamples,
+            paired=True,
+            vectorized=True,
+            confidence_level=level,
+            method="percentile",
+            random_state=np.random.default_rng(seed),
+        )
+    low, high = result.confidence_interval
+    return estimate, float(low), float(high)

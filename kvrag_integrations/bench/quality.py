@@ -98,9 +98,24 @@ PRECISION: list[tuple[str, dict[str, Any]]] = [
     ("turbo", {"cache_precision": "int8"}),
 ]
 
+# The chunk suffix (``chunk_suffix``, an engine setting): the "\n\n" after each
+# chunk read from its entry (the default) or computed per request ("").
+SUFFIX: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("turbo", {"chunk_suffix": ""}),
+    ("blend", {"recompute_ratio": 0.15}),
+    ("blend", {"recompute_ratio": 0.15, "chunk_suffix": ""}),
+]
+
+# Row options that are engine settings: such a row runs on an engine of its own
+# over the same weights.
+ENGINE_OPTIONS = ("cache_precision", "chunk_suffix")
+
 PRESETS = {
     "default": DEFAULT_STRATEGIES,
     "precision": PRECISION,
+    "suffix": SUFFIX,
     "ablation": ABLATION,
     "sinks": SINKS,
     "refresh": REFRESH,
@@ -135,19 +150,21 @@ def gold_loglik(
 
 
 def _engine_for(
-    engine: KVRAGEngine, precision: str | None, engines: dict[str, KVRAGEngine]
+    engine: KVRAGEngine, settings: dict[str, Any], engines: dict[tuple, KVRAGEngine]
 ) -> KVRAGEngine:
-    """``engine``, or one over its weights that stores caches in ``precision``."""
-    if precision is None or precision == engine.caches.precision:
+    """``engine``, or one over its weights with other engine ``settings``."""
+    current = {"cache_precision": engine.caches.precision, "chunk_suffix": engine.caches.suffix}
+    if all(current[k] == v for k, v in settings.items()):
         return engine
-    if precision not in engines:
-        engines[precision] = KVRAGEngine(
+    key = tuple(sorted(settings.items()))
+    if key not in engines:
+        engines[key] = KVRAGEngine(
             engine.loaded,
             store=MemoryKVStore(max_bytes=None),
-            cache_precision=precision,
             on_miss=engine.on_miss,
+            **{**current, **settings},
         )
-    return engines[precision]
+    return engines[key]
 
 
 def label(name: str, options: dict[str, Any]) -> str:
@@ -176,7 +193,7 @@ def run(
     per strategy and item).
     """
     strategies = strategies or DEFAULT_STRATEGIES
-    engines: dict[str, KVRAGEngine] = {}
+    engines: dict[tuple, KVRAGEngine] = {}
     per: dict[str, dict[str, list[float]]] = {label(n, o): {} for n, o in strategies}
     prompt_tokens = []
     for item in items:
@@ -188,7 +205,8 @@ def run(
         for name, options in strategies:
             row = per[label(name, options)]
             options = dict(options)
-            runner = _engine_for(engine, options.pop("cache_precision", None), engines)
+            settings = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
+            runner = _engine_for(engine, settings, engines)
             runner.encode_chunks(chunks, show_progress=False)
             ttfts, result = [], None
             for _ in range(max(1, repeats)):

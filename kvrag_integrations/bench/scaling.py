@@ -65,7 +65,7 @@ def floor_time(engine: Any, question: str, chunks: list[str], repeats: int) -> t
     pre = engine.prefill(question=question, chunks=chunks, strategy="full")
     kv, tail = pre.output.kv, pre.prompt.pieces[-1]
     total = kv.num_tokens
-    idx = torch.arange(total - tail.ids.numel(), total, device=kv.keys.device)
+    idx = torch.arange(total - tail.ids.numel(), total, device=kv.device)
 
     def tail_only() -> None:
         run_tokens(engine.model, engine.loaded.layout, kv, idx)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -20,12 +21,24 @@ from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.loader import ChunkLoader
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.results import ChunkRef
-from kvrag_integrations.engine.segments import TokenizedPrompt, tokenize_text, validate_chunk_text
+from kvrag_integrations.engine.segments import (
+    Piece,
+    TokenizedPrompt,
+    tokenize_text,
+    validate_chunk_text,
+)
 from kvrag_integrations.engine.spans import ChunkIndex
 from kvrag_integrations.errors import StoreWriteError, check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
+
+# Encoded after every chunk: the separator our prompts, LlamaIndex's and
+# LangChain's documented ones put between retrieved chunks. Its K/V then come
+# with the chunk's (TurboRAG stores each document with its own formatting)
+# instead of being computed per request at every chunk boundary.
+DEFAULT_CHUNK_SUFFIX = "\n\n"
+_NO_IDS = torch.zeros(0, dtype=torch.long)
 
 
 class ChunkCaches:
@@ -57,9 +70,14 @@ class ChunkCaches:
         loaded: LoadedModel,
         store: KVStore,
         precision: str = "float16",
+        suffix: str = DEFAULT_CHUNK_SUFFIX,
     ) -> None:
         self.loaded = loaded
         self.precision = check_precision(precision)
+        if not isinstance(suffix, str):
+            raise TypeError(f"chunk_suffix must be a string, got {type(suffix).__name__}")
+        self.suffix = suffix
+        self.suffix_ids = tokenize_text(loaded.tokenizer, suffix) if suffix else _NO_IDS
         self.store = store
         self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
         self.index = ChunkIndex()
@@ -73,7 +91,31 @@ class ChunkCaches:
     def key(self, text: str) -> str:
         """The store key the chunk ``text`` has under this model."""
         validate_chunk_text(text)
-        return cache_key(self.fingerprint, tokenize_text(self.loaded.tokenizer, text))
+        ids = tokenize_text(self.loaded.tokenizer, text)
+        return cache_key(self.fingerprint, self.entry_ids(ids))
+
+    def entry_ids(self, chunk_ids: torch.Tensor) -> torch.Tensor:
+        """What a chunk's entry encodes: its ids, then the chunk suffix's.
+
+        The key is over these ids, so engines with different suffixes never
+        share an entry unless it holds the same tokens. The chunk's own rows
+        are what it would have alone: nothing after a token changes its K/V.
+        """
+        return torch.cat([chunk_ids, self.suffix_ids]) if self.suffix_ids.numel() else chunk_ids
+
+    def piece_entry_ids(self, piece: Piece) -> torch.Tensor:
+        """The ids of the entry a cached piece reads (a prompt not passed through
+        ``attach_suffixes`` too: its chunks read the same entries)."""
+        if piece.stored_ids is None and piece.is_chunk:
+            return self.entry_ids(piece.ids)
+        return piece.entry_ids
+
+    def piece_key(self, piece: Piece) -> str:
+        return cache_key(self.fingerprint, self.piece_entry_ids(piece))
+
+    def attach_suffixes(self, prompt: TokenizedPrompt) -> TokenizedPrompt:
+        """``attach_suffix`` with this engine's chunk suffix."""
+        return attach_suffix(prompt, self.suffix_ids, self.suffix)
 
     def prefetch(self, texts: Sequence[str]) -> int:
         """Start reading the stored caches of chunk ``texts`` (see ``ChunkLoader``).
@@ -114,6 +156,8 @@ class ChunkCaches:
             check_fits(max((len(i) for i in ids), default=0), max_tokens, "a chunk")
         for text in chunks:
             self.index.add(text)
+        lengths = [len(i) for i in ids]
+        ids = [self.entry_ids(i) for i in ids]
         keys = [cache_key(self.fingerprint, i) for i in ids]
         todo = {}
         for key, tok in zip(keys, ids):
@@ -122,7 +166,44 @@ class ChunkCaches:
             if key not in todo and (overwrite or self.store.get(key, self.fingerprint) is None):
                 todo[key] = tok
         self.encode_and_store(list(todo.values()), batch_size, show_progress)
-        return [ChunkRef(k, len(i)) for k, i in zip(keys, ids)]
+        return [ChunkRef(k, n) for k, n in zip(keys, lengths)]
+
+    def fetch_or_encode(
+        self,
+        ids: Sequence[torch.Tensor],
+        *,
+        store: KVStore | None = None,
+        fingerprint: str | None = None,
+        precision: str | None = None,
+        batch_size: int = 8,
+    ) -> Fetched:
+        """Each of ``ids``' cache: read from ``store``, or encoded alone and stored.
+
+        The one fetch-or-encode path for callers outside prompts (the reranker's
+        document prefixes). Reads go through ``loader`` (concurrent for disk and
+        Redis); the distinct missing ids are encoded as ``encode_and_store`` does
+        and a failed write raises ``StoreWriteError``.
+
+        Args:
+            ids: token ids, one tensor per cache (duplicates are read or encoded once).
+            store: where the caches live (default: ``store``).
+            fingerprint: the key space (default: ``fingerprint``, this engine's
+                chunk caches); a caller with its own prompts uses its own.
+            precision: the storage precision of encoded caches (default: as
+                ``encode_and_store``); ``"model"`` keeps the compute dtype.
+            batch_size: ids encoded per forward.
+        """
+        store = store if store is not None else self.store
+        fingerprint = fingerprint if fingerprint is not None else self.fingerprint
+        keys = [cache_key(fingerprint, i) for i in ids]
+        read = self.loader.get_many(store, fingerprint, keys)
+        found = {k: kv for k, kv in read.items() if kv is not None}
+        missing = {k: i for k, i in zip(keys, ids) if k not in found}
+        done, seconds = self._encode_and_store(
+            list(missing.values()), batch_size, False, store, False, fingerprint, precision
+        )
+        found.update(done)
+        return Fetched(keys, found, list(missing), seconds)
 
     def encode_and_store(
         self,
@@ -141,8 +222,26 @@ class ChunkCaches:
         (``lazy``: chunks missing at query time) only logs it and returns the
         caches: the answer matters more than storing them.
         """
+        return self._encode_and_store(ids, batch_size, show_progress, store, lazy)[0]
+
+    def _encode_and_store(
+        self,
+        ids: list[torch.Tensor],
+        batch_size: int,
+        show_progress: bool,
+        store: KVStore | None,
+        lazy: bool,
+        fingerprint: str | None = None,
+        precision: str | None = None,
+    ) -> tuple[dict[str, ChunkKV], float]:
+        """``encode_and_store`` in key space ``fingerprint`` and storage ``precision``;
+        also returns the seconds spent in encoding forwards (lock wait included)."""
         store = store if store is not None else self.store
+        fingerprint = fingerprint if fingerprint is not None else self.fingerprint
+        if precision is None:
+            precision = "model" if store is self.prefix_store else self.precision
         done: dict[str, ChunkKV] = {}
+        seconds = 0.0
         writable = True
         order = sorted(ids, key=len, reverse=True)
         bar = tqdm(
@@ -153,11 +252,12 @@ class ChunkCaches:
         with bar:
             for start in range(0, len(order), step):
                 batch = order[start : start + step]
+                started = time.perf_counter()
                 with self.loaded.lock:  # one forward at a time on these weights
-                    kvs = encode_chunk_batch(self.loaded.model, batch, self.fingerprint, pad_id)
+                    kvs = encode_chunk_batch(self.loaded.model, batch, fingerprint, pad_id)
+                seconds += time.perf_counter() - started
                 for kv in kvs:
-                    if store is not self.prefix_store:
-                        kv = kv.stored_as(self.precision)
+                    kv = kv.stored_as(precision)
                     done[kv.key] = kv
                     try:
                         if writable:  # after one failure, don't wait on every other put
@@ -168,7 +268,7 @@ class ChunkCaches:
                         writable = False
                         logger.warning("chunk caches not stored (%s); answering uncached", exc)
                 bar.update(len(batch))
-        return done
+        return done, seconds
 
     def lookup(self, prompt: TokenizedPrompt) -> tuple[dict[str, ChunkKV], dict[str, Miss]]:
         """The prompt's stored caches by key, and its misses (nothing is encoded).
@@ -178,7 +278,7 @@ class ChunkCaches:
         """
         found: dict[str, ChunkKV] = {}
         missing: dict[str, Miss] = {}
-        pieces = [(cache_key(self.fingerprint, p.ids), p) for p in prompt.chunk_pieces]
+        pieces = [(self.piece_key(p), p) for p in prompt.cached_pieces]
         stored = self.loader.get_many(
             self.store, self.fingerprint, [k for k, p in pieces if not p.is_prefix]
         )
@@ -194,7 +294,7 @@ class ChunkCaches:
                 store.delete(key)
                 kv = None
             if kv is None:
-                missing[key] = Miss(piece.ids, store, piece.is_prefix)
+                missing[key] = Miss(self.piece_entry_ids(piece), store, piece.is_prefix)
             else:
                 found[key] = kv
         return found, missing
@@ -240,7 +340,7 @@ class ChunkCaches:
         """The prompt's chunk caches in chunk order, on the model's device, in their
         storage form (the strategies' assembly casts or dequantizes them)."""
         device = self.loaded.device
-        keys = [cache_key(self.fingerprint, p.ids) for p in prompt.chunk_pieces]
+        keys = [self.piece_key(p) for p in prompt.cached_pieces]
         return [found[k].to(device) for k in keys]
 
     def for_prompt(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
@@ -254,6 +354,36 @@ class ChunkCaches:
         return self.on_device(prompt, found), set(missing)
 
 
+def attach_suffix(
+    prompt: TokenizedPrompt, suffix_ids: torch.Tensor, suffix: str = ""
+) -> TokenizedPrompt:
+    """Point each chunk piece at its entry (its ids, then ``suffix_ids``); where
+    the text after a chunk starts with ``suffix_ids``, those tokens move into the
+    chunk piece, so their K/V are read with the chunk's instead of computed."""
+    k = suffix_ids.numel()
+    pieces: list[Piece] = []
+    for piece in prompt.pieces:
+        prev = pieces[-1] if pieces else None
+        if (
+            k
+            and prev is not None
+            and prev.stored_ids is not None
+            and prev.ids.numel() < prev.stored_ids.numel()
+            and not piece.is_cached
+            and piece.ids.numel() >= k
+            and torch.equal(piece.ids[:k], suffix_ids)
+        ):
+            pieces[-1] = replace(prev, ids=prev.stored_ids)
+            if piece.ids.numel() > k:
+                rest = piece.text.removeprefix(suffix)
+                pieces.append(replace(piece, ids=piece.ids[k:], text=rest))
+            continue
+        if piece.is_chunk and k:
+            piece = replace(piece, stored_ids=torch.cat([piece.ids, suffix_ids]))
+        pieces.append(piece)
+    return TokenizedPrompt(pieces)
+
+
 @dataclass(frozen=True)
 class Miss:
     """A prompt chunk with no stored cache: its ids and the store it belongs in."""
@@ -261,3 +391,18 @@ class Miss:
     ids: torch.Tensor
     store: KVStore
     is_prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What ``ChunkCaches.fetch_or_encode`` found and encoded."""
+
+    keys: list[str]  # one per input ids, in order
+    caches: dict[str, ChunkKV]  # every input's cache, by key (storage form)
+    encoded: list[str]  # distinct keys encoded and stored by this call
+    encode_s: float  # seconds in encoding forwards
+
+    @property
+    def reused(self) -> int:
+        """Distinct caches read from the store."""
+        return len(self.caches) - len(self.encoded)

@@ -14,7 +14,7 @@ import torch
 from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.engine import registry
 from kvrag_integrations.engine.background import BackgroundEncoder
-from kvrag_integrations.engine.chunk_caches import ChunkCaches
+from kvrag_integrations.engine.chunk_caches import DEFAULT_CHUNK_SUFFIX, ChunkCaches
 from kvrag_integrations.engine.generate import GenerationResult
 from kvrag_integrations.engine.model import LoadedModel, load_model
 from kvrag_integrations.engine.request import (
@@ -77,6 +77,7 @@ class KVRAGEngine:
         on_miss: str = "defer",
         max_pending: int = 256,
         cache_precision: str = "float16",
+        chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
     ) -> None:
         """Wrap a loaded model.
 
@@ -99,6 +100,13 @@ class KVRAGEngine:
                 read. The precision is part of the entries' fingerprint
                 (``fingerprint``): engines that store differently never read each
                 other's entries, even in one shared store.
+            chunk_suffix: text encoded after every chunk, in its entry (default
+                ``"\\n\\n"``, what our prompts and LlamaIndex's and LangChain's
+                put between chunks). Where a prompt continues a chunk with it,
+                those tokens' K/V come from the entry (computed after the chunk
+                alone, like the chunk's own) instead of being computed per
+                request; elsewhere the chunk's rows alone are used. ``""``
+                encodes chunks alone. Part of the entries' keys.
         """
         self.loaded = loaded
         self.cache_prefix = cache_prefix
@@ -106,7 +114,10 @@ class KVRAGEngine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.caches = ChunkCaches(
-            loaded, store if store is not None else MemoryKVStore(), cache_precision
+            loaded,
+            store if store is not None else MemoryKVStore(),
+            cache_precision,
+            chunk_suffix,
         )
         self.encoder = BackgroundEncoder(self.caches.encode_jobs, max_pending=max_pending)
         registry.note_engine(self)
@@ -151,7 +162,7 @@ class KVRAGEngine:
             cache_precision: how chunk caches are stored: ``"float16"`` (default),
                 ``"bfloat16"``, ``"int8"`` or ``"model"`` (full precision); see
                 ``KVRAGEngine``.
-            **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending`` (see
+            **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending``, ``chunk_suffix`` (see
                 ``KVRAGEngine``).
         """
         loaded = load_model(
@@ -334,8 +345,9 @@ class KVRAGEngine:
         - ``segments``: the user message (or, with ``chat_template=False``, the
           whole prompt) as ``Text`` / ``Chunk`` segments;
         - ``messages``: ``{"role", "content"}`` dicts whose content is a string
-          or a list of segments. Strings are split where a known chunk appears:
-          one this engine has encoded, or one of ``known_chunks``.
+          or a list of strings and segments. Strings are split where a known
+          chunk appears: one this engine has encoded, or one of ``known_chunks``
+          (``spans.message_segments``).
         """
         return build_segments(
             self.tokenizer,

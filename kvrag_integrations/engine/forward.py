@@ -37,23 +37,56 @@ from kvrag_integrations.errors import UnsupportedModelError
 
 @dataclass
 class PromptKV:
-    """The prompt's KV cache in sequence order.
+    """The prompt's KV cache in sequence order, one tensor per layer.
+
+    Per layer, not one ``[layers, ...]`` block: a prompt-sized block is over
+    malloc's mmap threshold, so on CPU every request would page-fault ~100 MB
+    in afresh (~20 ms per 100 MB); per-layer tensors are recycled by the
+    allocator, and the model's cache wants them per layer anyway.
 
     Attributes:
-        keys: ``[layers, kv_heads, tokens, head_dim]`` post-RoPE keys.
-        values: same shape.
+        keys: per layer, ``[kv_heads, tokens, head_dim]`` post-RoPE keys.
+        values: same shapes.
         positions: ``[tokens]`` RoPE position of each token.
         input_ids: ``[tokens]`` token ids.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
     positions: torch.Tensor
     input_ids: torch.Tensor
+
+    @classmethod
+    def empty(
+        cls,
+        layout: ModelLayout,
+        positions: torch.Tensor,
+        input_ids: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> PromptKV:
+        """A buffer for ``input_ids`` (slots unwritten: callers fill every one)."""
+        shape = (layout.kv_heads, input_ids.numel(), layout.head_dim)
+        keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+        values = [torch.empty_like(k) for k in keys]
+        return cls(keys, values, positions.to(device), input_ids.to(device))
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[layers, kv_heads, tokens, head_dim]`` copies of the keys and values
+        (for inspection; writing to them changes nothing)."""
+        return torch.stack(self.keys), torch.stack(self.values)
 
     @property
     def next_position(self) -> int:
@@ -205,8 +238,7 @@ def run_tokens(
     """
     if layout.reuse_refused:
         raise UnsupportedModelError(layout.reuse_refused)
-    device = kv.keys.device
-    rows = rows.to(device)
+    rows = rows.to(kv.device)
     # A row depends only on earlier rows, so a large scattered set can run as
     # blocks in sequence order, each over keys up to its own last row: less
     # masked-out attention than one rectangle. Two blocks: more would cost more
@@ -237,7 +269,7 @@ def _forward(
         cache, mask = _WholePrefixCache(writer), None
     else:
         cache = PromptCache(writer)
-        mask = model_mask(additive_masks(layout, rows, writer.end, kv.keys.dtype))
+        mask = model_mask(additive_masks(layout, rows, writer.end, kv.dtype))
     try:
         out = lm(
             input_ids=kv.input_ids.to(rows.device)[rows][None],

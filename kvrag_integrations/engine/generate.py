@@ -110,11 +110,19 @@ class GenerationResult:
 
 def to_dynamic_cache(kv: PromptKV) -> Any:
     """A transformers DynamicCache holding the prompt K/V (views, no copy)."""
+    return layered_cache([k[None] for k in kv.keys], [v[None] for v in kv.values])
+
+
+def layered_cache(
+    keys: Sequence[torch.Tensor] | torch.Tensor, values: Sequence[torch.Tensor] | torch.Tensor
+) -> Any:
+    """A transformers DynamicCache of per-layer K/V, each ``[batch, kv_heads, tokens,
+    head_dim]`` (a list, or a tensor stacked by layer; views, no copy)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    for layer in range(kv.keys.shape[0]):
-        cache.update(kv.keys[layer].unsqueeze(0), kv.values[layer].unsqueeze(0), layer)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k, v, layer)
     return cache
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.engine.rope import shift_keys
+from kvrag_integrations.engine.rope import rotate_keys, rotation, shift_keys
 from kvrag_integrations.errors import UnsupportedModelError
 
 # Verified by tests/unit/test_families.py (turbo and blend against the model's own forward).
@@ -67,6 +67,18 @@ class RotaryShift:
     ) -> torch.Tensor:
         return shift_keys(keys, delta, self.inv_freq, out=out, interleaved=self.interleaved)
 
+    def rotation(
+        self, delta: int | torch.Tensor, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of a move by ``delta`` (one per token, or one for all)."""
+        return rotation(delta, self.inv_freq, device)
+
+    def rotate(
+        self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Apply a :meth:`rotation` to ``keys`` into ``out`` (which may be ``keys``)."""
+        return rotate_keys(keys, cos, sin, out, self.interleaved)
+
 
 @dataclass(frozen=True)
 class ModelLayout:
@@ -100,18 +112,9 @@ class ModelLayout:
             f"mask; KV reuse needs one of {sorted(MASKED_ATTENTION)} ({_WHAT_WORKS})"
         )
 
-    def shift_keys(
-        self, keys: torch.Tensor, delta: int | torch.Tensor, out: torch.Tensor
-    ) -> torch.Tensor:
-        """Move ``[layers, kv_heads, tokens, head_dim]`` keys ``delta`` positions, into ``out``."""
-        if len(self.rotary) == 1:
-            return next(iter(self.rotary.values())).shift(keys, delta, out=out)
-        for layer_type, rotary in self.rotary.items():
-            idx = [i for i, t in enumerate(self.layer_types) if t == layer_type]
-            # In out's dtype: keys may be stored in a narrower one (float16).
-            part = keys.new_empty(keys[idx].shape, dtype=out.dtype)
-            out[idx] = rotary.shift(keys[idx], delta, out=part)
-        return out
+    def rotary_of(self, layer: int) -> RotaryShift:
+        """How layer ``layer``'s keys move (layer types may differ in RoPE)."""
+        return self.rotary[self.layer_types[layer]]
 
     @classmethod
     def of(cls, lm: Any) -> ModelLayout:

@@ -16,21 +16,20 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from kvrag_integrations.engine.chat_template import Message, render_chat
 from kvrag_integrations.engine.results import PrefillResult
 from kvrag_integrations.engine.sampling import check_int
 from kvrag_integrations.engine.segments import (
     DEFAULT_INSTRUCTION,
     Chunk,
-    Message,
     Segment,
     Text,
     TokenizedPrompt,
     cache_leading_text,
     check_text,
     rag_user_segments,
-    render_chat,
 )
-from kvrag_integrations.engine.spans import ChunkIndex
+from kvrag_integrations.engine.spans import ChunkIndex, message_segments
 from kvrag_integrations.engine.strategies import Strategy, make_strategy
 
 if TYPE_CHECKING:
@@ -101,6 +100,7 @@ def plan_prefill(engine: KVRAGEngine, request: Request) -> Callable[[], PrefillR
     strat, prompt, started = request.strategy, request.prompt, request.started
     if not strat.uses_chunk_caches:
         return partial(_run, engine, strat, prompt, [], set(), started)
+    prompt = engine.caches.attach_suffixes(prompt)
     cached = cache_leading_text(prompt) if engine.cache_prefix else prompt
     found, missing = engine.caches.lookup(cached)
     if request.on_miss == "defer" and any(not m.is_prefix for m in missing.values()):
@@ -190,9 +190,4 @@ def _message(
         raise TypeError(f"a message role must be a str, got {type(role).__name__}")
     if not _ROLE_RE.fullmatch(role):  # the template writes roles as markup
         raise ValueError(f"a message role must be a plain name like 'user', got {role!r}")
-    content = message["content"]
-    if isinstance(content, str):
-        return role, chunk_index.split(check_text(content, "content"), known_chunks)
-    if isinstance(content, (list, tuple)) and all(isinstance(s, (Text, Chunk)) for s in content):
-        return role, list(content)
-    raise TypeError("message content must be a string or a list of Text/Chunk segments")
+    return role, message_segments(message["content"], chunk_index, known_chunks)

@@ -47,7 +47,8 @@ class PrefillResult:
     @property
     def lazily_encoded_chunks(self) -> int:
         """Chunks (not the cached leading text) encoded during this request."""
-        prefix = {cache_key(self.fingerprint, p.ids) for p in self.prompt.pieces if p.is_prefix}
+        fp = self.fingerprint
+        prefix = {cache_key(fp, p.entry_ids) for p in self.prompt.pieces if p.is_prefix}
         return len(self.lazy_keys - prefix)
 
     @property
@@ -56,7 +57,8 @@ class PrefillResult:
         head = self.prompt.pieces[0] if self.prompt.pieces else None
         if head is None or not head.is_prefix:
             return 0
-        return 0 if cache_key(self.fingerprint, head.ids) in self.lazy_keys else head.ids.numel()
+        lazy = cache_key(self.fingerprint, head.entry_ids) in self.lazy_keys
+        return 0 if lazy else head.ids.numel()
 
     def token_counts(self) -> tuple[int, int, int]:
         """``(reused, recomputed, prefilled)``; lazily encoded chunks count as prefilled."""
@@ -64,7 +66,7 @@ class PrefillResult:
         start = 0
         for piece in self.prompt.pieces:
             n = piece.ids.numel()
-            if piece.is_chunk and cache_key(self.fingerprint, piece.ids) in self.lazy_keys:
+            if piece.is_cached and cache_key(self.fingerprint, piece.entry_ids) in self.lazy_keys:
                 lazy[start : start + n] = True
             start += n
         return self.output.token_counts(lazy)

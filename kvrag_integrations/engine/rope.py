@@ -32,8 +32,8 @@ def shift_keys(
         delta: one shift for all tokens, or a ``[tokens]`` tensor of per-token shifts.
         inv_freq: the model's ``rotary_emb.inv_freq`` (``[rot_dim // 2]``); when
             ``rot_dim < head_dim`` (partial rotary) the rest passes unchanged.
-        out: optional destination (same shape and dtype as ``keys``, not
-            overlapping it); the prompt assembly writes straight into its buffer.
+        out: optional destination (same shape as ``keys``; ``keys`` itself, or
+            not overlapping it).
         interleaved: pairs are adjacent dims ``(2i, 2i + 1)`` (Cohere) instead of
             ``(i, i + rot_dim / 2)`` (rotate-half: Llama, Qwen, Mistral, Gemma, ...).
 
@@ -48,13 +48,33 @@ def shift_keys(
         out = torch.empty_like(keys)
     if isinstance(delta, int) and delta == 0:
         return out.copy_(keys)
-    half = inv_freq.numel()
+    cos, sin = rotation(delta, inv_freq, keys.device)
+    return rotate_keys(keys, cos, sin, out, interleaved)
+
+
+def rotation(
+    delta: int | torch.Tensor, inv_freq: torch.Tensor, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(cos, sin)`` ``[tokens or 1, rot_dim // 2]`` of a move by ``delta``
+    (computed once, then applied to every layer of one rotary by :func:`rotate_keys`)."""
+    delta_t = torch.as_tensor(delta, dtype=torch.float32, device=device)
+    angles = delta_t.reshape(-1, 1) * inv_freq.to(device=device, dtype=torch.float32)
+    return angles.cos(), angles.sin()
+
+
+def rotate_keys(
+    keys: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """Apply a :func:`rotation` to ``keys`` into ``out`` (``out`` may be ``keys``)."""
+    half = cos.shape[-1]
     rot_dim = 2 * half
-    delta_t = torch.as_tensor(delta, dtype=torch.float32, device=keys.device)
-    angles = delta_t.reshape(-1, 1) * inv_freq.to(device=keys.device, dtype=torch.float32)
-    cos, sin = angles.cos(), angles.sin()  # [tokens or 1, half]
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): rotate-half, without the
     # temporaries of cat(): this runs over every cached key of every prompt.
+    # Both halves are computed before either is written, so out may be keys.
     if interleaved:
         x1, x2 = keys[..., 0:rot_dim:2], keys[..., 1:rot_dim:2]
     else:
@@ -71,6 +91,6 @@ def shift_keys(
     else:
         out[..., :half] = o1
         out[..., half:rot_dim] = o2
-    if rot_dim < keys.shape[-1]:
+    if rot_dim < keys.shape[-1] and out is not keys:
         out[..., rot_dim:] = keys[..., rot_dim:]
     return out

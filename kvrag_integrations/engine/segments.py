@@ -16,13 +16,11 @@ special-token strings turned into control tokens.
 from __future__ import annotations
 
 import contextlib
-import secrets
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -105,18 +103,75 @@ def check_text(text: Any, what: str) -> str:
     return text
 
 
+PieceKind = Literal["text", "chunk", "prefix"]
+PIECE_KINDS: tuple[PieceKind, ...] = ("text", "chunk", "prefix")
+
+
+def check_texts(texts: Any, what: str) -> list[str]:
+    """``texts`` as a list of str; one str, or an item that is not one, is a TypeError.
+
+    Examples:
+        >>> check_texts(["a", 3], "documents")
+        Traceback (most recent call last):
+        ...
+        TypeError: documents[1] must be a str, got int
+    """
+    if isinstance(texts, str):
+        raise TypeError(f"{what} must be a list of strings, not one string")
+    out = list(texts)
+    for i, text in enumerate(out):
+        if not isinstance(text, str):
+            raise TypeError(f"{what}[{i}] must be a str, got {type(text).__name__}")
+    return out
+
+
 @dataclass
 class Piece:
-    """One tokenized segment.
+    """One tokenized segment, of one ``kind``:
 
-    ``is_chunk`` pieces take their K/V from the store. ``is_prefix`` marks the
-    prompt's leading text when it is cached too (see ``cache_leading_text``).
+    - ``"text"``: prefilled (or recomputed) on every request;
+    - ``"chunk"``: a retrieved chunk, its K/V from the chunk store;
+    - ``"prefix"``: the prompt's leading text when it is cached too (see
+      ``cache_leading_text``), its K/V from the prefix store.
+
+    ``stored_ids``: the ids a chunk's store entry holds when they are more than
+    ``ids`` (the chunk followed by the engine's chunk suffix); ``ids`` is then a
+    prefix of them, and the piece takes the first ``len(ids)`` rows.
+
+    Examples:
+        >>> p = Piece(torch.tensor([1, 2]), "prefix", "System: ...")
+        >>> p.is_cached, p.is_chunk, p.is_prefix
+        (True, False, True)
     """
 
     ids: torch.Tensor  # int64 [n]
-    is_chunk: bool
+    kind: PieceKind
     text: str
-    is_prefix: bool = False
+    stored_ids: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in PIECE_KINDS:
+            raise ValueError(f"Piece.kind must be one of {PIECE_KINDS}, got {self.kind!r}")
+
+    @property
+    def is_chunk(self) -> bool:
+        """A retrieved chunk (never the cached leading text)."""
+        return self.kind == "chunk"
+
+    @property
+    def is_prefix(self) -> bool:
+        """The prompt's cached leading text."""
+        return self.kind == "prefix"
+
+    @property
+    def is_cached(self) -> bool:
+        """Its K/V come from a store: a chunk or the cached leading text."""
+        return self.kind != "text"
+
+    @property
+    def entry_ids(self) -> torch.Tensor:
+        """The token ids of the store entry this piece reads (its cache key's ids)."""
+        return self.ids if self.stored_ids is None else self.stored_ids
 
 
 @dataclass
@@ -137,7 +192,14 @@ class TokenizedPrompt:
 
     @property
     def chunk_pieces(self) -> list[Piece]:
+        """The retrieved chunks, in order (not the cached leading text)."""
         return [p for p in self.pieces if p.is_chunk]
+
+    @property
+    def cached_pieces(self) -> list[Piece]:
+        """Pieces whose K/V come from a store (chunks and the leading text), in order:
+        the order of the caches a strategy takes."""
+        return [p for p in self.pieces if p.is_cached]
 
 
 def cache_leading_text(prompt: TokenizedPrompt) -> TokenizedPrompt:
@@ -149,10 +211,10 @@ def cache_leading_text(prompt: TokenizedPrompt) -> TokenizedPrompt:
     done when a chunk follows, so one-off prompts do not fill the store.
     """
     pieces = prompt.pieces
-    if len(pieces) < 2 or pieces[0].is_chunk or not any(p.is_chunk for p in pieces):
+    if len(pieces) < 2 or pieces[0].is_cached or not any(p.is_chunk for p in pieces):
         return prompt
     head = pieces[0]
-    return TokenizedPrompt([Piece(head.ids, True, head.text, is_prefix=True), *pieces[1:]])
+    return TokenizedPrompt([Piece(head.ids, "prefix", head.text), *pieces[1:]])
 
 
 # Per tokenizer: (markup backend, literal backend), private copies of its Rust
@@ -278,7 +340,7 @@ def tokenize_segments(tokenizer: Any, segments: Sequence[Segment]) -> TokenizedP
         if run:
             ids = tokenize_texts(tokenizer, run)
             if ids.numel():
-                pieces.append(Piece(ids, False, "".join(t.text for t in run)))
+                pieces.append(Piece(ids, "text", "".join(t.text for t in run)))
             run.clear()
 
     for seg in segments:
@@ -287,7 +349,7 @@ def tokenize_segments(tokenizer: Any, segments: Sequence[Segment]) -> TokenizedP
             validate_chunk_text(seg.text)
             ids = tokenize_text(tokenizer, seg.text)
             if ids.numel():
-                pieces.append(Piece(ids, True, seg.text))
+                pieces.append(Piece(ids, "chunk", seg.text))
         elif isinstance(seg, Text):
             check_text(seg.text, "Text.text")
             run.append(seg)
@@ -315,87 +377,3 @@ def rag_user_segments(
     tail = f"\n\nQuestion: {question}" if chunks else f"{lead}Question: {question}"
     segments.append(Text(tail))
     return [s for s in segments if not (isinstance(s, Text) and not s.text)]
-
-
-Message = tuple[str, Sequence[Segment]]  # (role, content segments)
-
-
-def _slot(nonce: str, i: int) -> str:
-    return f"\x00kvrag-{nonce}-{i}\x00"
-
-
-def render_chat(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
-    """Render chat messages with the model's template, keeping chunks intact.
-
-    Every piece of message content (text and chunks) goes into the template as a
-    placeholder, and the result is split at the placeholders: the template's own
-    text comes back as markup (its control tokens are real), the messages' text
-    and chunks as literal segments, and chunks keep the ids of their stored
-    caches. Placeholders carry a random nonce drawn per call, so no text can
-    forge one. The generation prompt for the assistant is appended.
-
-    A template that rewrites message text (``| trim``, say) is detected by
-    rendering the plain text too; it is then rendered the old way (text in place,
-    chunks as placeholders), and text holding a control-token string is refused
-    since it could not be kept literal there.
-
-    Args:
-        tokenizer: a tokenizer with ``chat_template``.
-        messages: ``(role, segments)`` pairs, e.g. ``[("user", [Text("Q"), Chunk(c)])]``.
-    """
-    nonce = secrets.token_hex(16)
-    slots: list[Segment] = []
-    templated, plain = [], []
-    for role, content in messages:
-        text = ""
-        for seg in content:
-            if seg.text:
-                text += _slot(nonce, len(slots))
-                slots.append(seg)
-        templated.append({"role": role, "content": text})
-        plain.append({"role": role, "content": "".join(seg.text for seg in content)})
-    render = partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
-    out = split_rendered(render(templated), nonce, slots)
-    if "".join(seg.text for seg in out) == render(plain):
-        return out
-    return _render_in_place(tokenizer, messages, render, nonce)
-
-
-def _render_in_place(
-    tokenizer: Any, messages: Sequence[Message], render: Any, nonce: str
-) -> list[Segment]:
-    """Fallback for templates that rewrite text: only chunks are placeholders."""
-    controls = control_token_strings(tokenizer)
-    chunks: list[Segment] = []
-    dicts = []
-    for role, content in messages:
-        text = ""
-        for seg in content:
-            if isinstance(seg, Chunk):
-                text += _slot(nonce, len(chunks))
-                chunks.append(seg)
-            else:
-                if not seg.markup and any(c in seg.text for c in controls):
-                    raise ValueError(
-                        "this chat template rewrites message text, so a control-token "
-                        f"string in it ({next(c for c in controls if c in seg.text)!r}) "
-                        "cannot be kept literal; remove it or pass it inside a chunk"
-                    )
-                text += seg.text
-        dicts.append({"role": role, "content": text})
-    return split_rendered(render(dicts), nonce, chunks)
-
-
-def split_rendered(rendered: str, nonce: str, slots: Sequence[Segment]) -> list[Segment]:
-    """Split a rendered prompt at its placeholders: markup ``Text`` around the slots."""
-    out: list[Segment] = []
-    rest = rendered
-    for i, seg in enumerate(slots):
-        before, found, rest = rest.partition(_slot(nonce, i))
-        if not found or _slot(nonce, i) in rest:
-            raise ValueError("the chat template dropped, repeated or altered a placeholder")
-        out += [Text(before, markup=True), seg]
-    if f"\x00kvrag-{nonce}-" in rest:
-        raise ValueError("the chat template reordered the message placeholders")
-    out.append(Text(rest, markup=True))
-    return [s for s in out if not (isinstance(s, Text) and not s.text)]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
-from kvrag_integrations.engine.segments import Chunk, Segment, Text
+from kvrag_integrations.engine.segments import Chunk, Segment, Text, check_text
 
 _ANCHOR = 32  # characters that index a chunk: long enough to be selective
 
@@ -93,6 +94,45 @@ class ChunkIndex:
                         if text.startswith(chunk, i):
                             found.append((i, chunk))
         return found
+
+
+def message_segments(
+    content: Any, index: ChunkIndex, known_chunks: Iterable[str] = ()
+) -> list[Segment]:
+    """A chat message's content as prompt segments, split at known chunks.
+
+    ``content`` is a string, or a list of strings and ``Text`` / ``Chunk``
+    segments (what the adapters build from content blocks). Strings, each run of
+    consecutive ones joined, are split wherever a chunk of ``index`` or one of
+    ``known_chunks`` appears; segments are kept as they are.
+
+    Examples:
+        >>> index = ChunkIndex()
+        >>> index.add("Paris is the capital of France.")
+        >>> message_segments(["Context: ", "Paris is the capital of France.", Chunk("B.")], index)
+        [Text(text='Context: '), Chunk(text='Paris is the capital of France.'), Chunk(text='B.')]
+    """
+    if isinstance(content, str):
+        return index.split(check_text(content, "content"), known_chunks)
+    if not isinstance(content, (list, tuple)) or not all(
+        isinstance(item, (str, Text, Chunk)) for item in content
+    ):
+        raise TypeError(
+            "message content must be a string or a list of strings and Text/Chunk segments"
+        )
+    known = list(known_chunks)
+    out: list[Segment] = []
+    run: list[str] = []
+    for item in [*content, None]:  # None: the end, flushing the last run
+        if isinstance(item, str):
+            run.append(item)
+            continue
+        if run:
+            out += index.split(check_text("".join(run), "content"), known)
+            run.clear()
+        if item is not None:
+            out.append(item)
+    return out
 
 
 def split_at_chunks(text: str, matches: Iterable[tuple[int, str]]) -> list[Segment]:

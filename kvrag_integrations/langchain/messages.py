@@ -3,7 +3,7 @@
 The engine takes ``{"role", "content"}`` dicts whose content is a string (split
 wherever a known chunk appears) or a list of ``Text`` / ``Chunk`` segments. This
 module maps LangChain message classes to roles and content blocks to segments;
-finding chunks inside text is left to the engine's ``chunk_index``.
+finding chunks inside text is the engine's (``spans.message_segments``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from langchain_core.messages import (
 )
 
 from kvrag_integrations.engine import CACHE_KEY_FIELD, Chunk, KVRAGEngine, Segment, Text
+from kvrag_integrations.engine.spans import message_segments
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain.hooks import recent_chunks
 
@@ -109,7 +110,7 @@ def content_segments(
     String content is returned as is: the engine splits it at known chunks. In a
     block list, a ``text`` block with ``extras[CACHE_KEY_FIELD]`` and every
     ``text-plain`` block (a document) become ``Chunk`` segments; the other text
-    blocks are joined and split at known chunks like strings.
+    blocks are split at known chunks by the engine (``message_segments``).
 
     Raises:
         UnsupportedInputError: an image, audio, video or file block (the model reads
@@ -117,33 +118,24 @@ def content_segments(
     """
     if isinstance(message.content, str):
         return message.content
-    segments: list[Segment] = []
-    pending: list[str] = []
-
-    def flush() -> None:
-        if pending:
-            segments.extend(engine.chunk_index.split("".join(pending), known_chunks))
-            pending.clear()
-
+    items: list[str | Segment] = []
     for block in message.content_blocks:
         kind = block.get("type")
         text = block.get("text")
         if kind == "text" or (kind == "text-plain" and isinstance(text, str)):
             document = kind == "text-plain" or _block_cache_key(dict(block)) is not None
             if document and text.strip():
-                flush()
                 for lead in (block.get("title"), block.get("context")):
                     if lead:
-                        segments.append(Text(f"{lead}\n"))
-                segments.append(Chunk(text))
+                        items.append(Text(f"{lead}\n"))
+                items.append(Chunk(text))
             else:
-                pending.append(text)
+                items.append(text)
         elif kind in _MEDIA_BLOCKS or kind == "text-plain":
             raise UnsupportedInputError(f"ChatKVRAG reads text only; got a {kind!r} content block")
         elif kind not in _SKIPPED_BLOCKS:
             raise UnsupportedInputError(f"unsupported content block type {kind!r}")
-    flush()
-    return segments
+    return message_segments(items, engine.chunk_index, known_chunks)
 
 
 def to_engine_messages(

@@ -8,7 +8,7 @@ from typing import Any
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from kvrag_integrations.llama_index._nodes import attach_cache_keys, llm_texts
+from kvrag_integrations.llama_index._nodes import attach_cache_keys
 
 
 class KVRAGRetriever(BaseRetriever):
@@ -16,9 +16,9 @@ class KVRAGRetriever(BaseRetriever):
 
     For each returned node it makes sure the node's LLM text has a stored cache
     (``engine.encode_chunks``, which skips what is stored: only missing chunks are
-    encoded), records the key in ``node.metadata[CACHE_KEY_FIELD]`` (hidden from
-    prompts and embeddings) and registers the text in ``engine.chunk_index`` so the
-    LLM finds it in the prompt, even in a fresh process or another thread.
+    encoded, and registers every text in ``engine.chunk_index`` so the LLM finds it
+    in the prompt, even in a fresh process or another thread) and records the key
+    in ``node.metadata[CACHE_KEY_FIELD]`` (hidden from prompts and embeddings).
     A node longer than the context window is returned uncached (it is prefilled).
 
     Args:
@@ -56,9 +56,8 @@ class KVRAGRetriever(BaseRetriever):
         self.batch_size = batch_size
 
     def _prepare(self, nodes: list[NodeWithScore]) -> list[NodeWithScore]:
+        # encode_chunks registers each text in engine.chunk_index (stored ones too)
         attach_cache_keys(self.engine, nodes, batch_size=self.batch_size, strict=False)
-        for text in llm_texts(nodes):
-            self.engine.chunk_index.add(text)
         return nodes
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

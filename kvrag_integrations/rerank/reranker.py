@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
-from kvrag_integrations.engine.chunks import encode_chunk_batch
+from kvrag_integrations.engine.generate import layered_cache
+from kvrag_integrations.engine.segments import check_text, check_texts
 from kvrag_integrations.errors import UnsupportedModelError
 from kvrag_integrations.rerank.templates import (
     UPR_TEMPLATE,
@@ -189,7 +190,7 @@ class KVReranker:
             >>> reranker.encode_documents(["Canberra is the capital."])  # doctest: +SKIP
             1
         """
-        docs = self._check_documents(documents)
+        docs = check_texts(documents, "documents")
         unique = list(dict.fromkeys(d for d in docs if d.strip()))
         before = self.stats.prefixes_encoded
         self._prefix_caches([self.prefix_ids(d) for d in unique])
@@ -211,18 +212,16 @@ class KVReranker:
 
         Raises:
             TypeError: ``query`` or a document is not a str, or ``documents`` is one str.
-            ValueError: ``query`` is empty or whitespace only.
+            ValueError: ``query`` is empty, whitespace only or not valid Unicode.
             ContextWindowExceededError: a prompt does not fit the model's context.
 
         Examples:
             >>> reranker.score("Capital of Australia?", ["Canberra is.", ""])  # doctest: +SKIP
             [-1.9..., -inf]
         """
-        if not isinstance(query, str):
-            raise TypeError(f"query must be a str, got {type(query).__name__}")
-        if not query.strip():
+        if not check_text(query, "query").strip():
             raise ValueError("query must contain non-whitespace text")
-        docs = self._check_documents(documents)
+        docs = check_texts(documents, "documents")
         self.stats.candidates += len(docs)
         scores = [-math.inf] * len(docs)
         where: dict[str, list[int]] = {}
@@ -269,16 +268,6 @@ class KVReranker:
         return [(i, scores[i]) for i in order[:limit]]
 
     # ------------------------------------------------------------- internals
-    @staticmethod
-    def _check_documents(documents: Sequence[str]) -> list[str]:
-        if isinstance(documents, str):
-            raise TypeError("documents must be a list of strings, not one string")
-        docs = list(documents)
-        for i, doc in enumerate(docs):
-            if not isinstance(doc, str):
-                raise TypeError(f"documents[{i}] must be a str, got {type(doc).__name__}")
-        return docs
-
     def _check_fits(self, n_tokens: int) -> None:
         self.engine.check_fits(n_tokens, "a rerank prompt")
         windows = [w for w in self.engine.loaded.layout.windows if w is not None]
@@ -291,31 +280,19 @@ class KVReranker:
             )
 
     def _prefix_caches(self, prefixes: list[torch.Tensor]) -> list[ChunkKV]:
-        """Stored prefix caches, in order; missing ones are encoded (batched) and stored."""
-        fp = self.fingerprint
-        keys = [cache_key(fp, ids) for ids in prefixes]
-        found: dict[str, ChunkKV] = {}
-        missing: dict[str, torch.Tensor] = {}
-        for key, ids in zip(keys, prefixes, strict=True):
-            if key in found or key in missing:
-                continue
-            kv = self.store.get(key, fp)
-            if kv is None:
-                missing[key] = ids
-            else:
-                found[key] = kv
-        self.stats.prefixes_reused += len(found)
-        todo = sorted(missing.values(), key=len, reverse=True)  # similar lengths pad less
-        pad_id = int(self.engine.tokenizer.pad_token_id)
-        for start in range(0, len(todo), self.batch_size):
-            batch = todo[start : start + self.batch_size]
-            started = time.perf_counter()
-            with self.engine.exclusive():
-                kvs = encode_chunk_batch(self.engine.model, batch, fp, pad_id)
-            self.stats.forward_s += time.perf_counter() - started
-            for kv in kvs:
-                self.store.put(kv)
-                found[kv.key] = kv
+        """Stored prefix caches, in order; missing ones are encoded (batched) and stored:
+        the engine's ``caches.fetch_or_encode`` in this reranker's key space, at the
+        model's precision."""
+        fetched = self.engine.caches.fetch_or_encode(
+            prefixes,
+            store=self.store,
+            fingerprint=self.fingerprint,
+            precision="model",
+            batch_size=self.batch_size,
+        )
+        found, keys, missing = fetched.caches, fetched.keys, fetched.encoded
+        self.stats.prefixes_reused += fetched.reused
+        self.stats.forward_s += fetched.encode_s
         self.stats.prefixes_encoded += len(missing)
         device, dtype = self.engine.device, self.engine.dtype
         return [found[k].to(device, dtype) for k in keys]
@@ -416,18 +393,13 @@ class KVReranker:
 
     def _batch_cache(self, kvs: list[ChunkKV], p_max: int) -> Any:
         """A DynamicCache with each row's prefix K/V, right-padded with zeros to ``p_max``."""
-        from transformers import DynamicCache
-
         n_layers, n_heads, _, head_dim = kvs[0].keys.shape
         shape = (n_layers, len(kvs), n_heads, p_max, head_dim)  # [L, B, H, Pmax, D]
         keys, values = kvs[0].keys.new_zeros(shape), kvs[0].values.new_zeros(shape)
         for r, kv in enumerate(kvs):
             keys[:, r, :, : kv.num_tokens] = kv.keys
             values[:, r, :, : kv.num_tokens] = kv.values
-        cache = DynamicCache()
-        for layer in range(keys.shape[0]):
-            cache.update(keys[layer], values[layer], layer)
-        return cache
+        return layered_cache(keys, values)
 
 
 __all__ = ["KVReranker", "RerankStats"]

@@ -8,9 +8,9 @@ is therefore three texts around two slots::
     [prefix][document][middle][query][suffix]
 
 With ``chat=True`` the pieces form the user message of the model's own chat
-template (plus an optional system message and the assistant generation prompt);
-the template is rendered with sentinels in the slots and split at them, so the
-text before the document is exactly what the model would see.
+template (plus an optional system message and the assistant generation prompt),
+rendered around the two slots by the engine's ``chat_template.render_slots``, so
+the text before the document is exactly what the model would see.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvrag_integrations.engine.chat_template import SLOT, SlottedMessage, render_slots
 from kvrag_integrations.engine.segments import Text, tokenize_text, tokenize_texts
 from kvrag_integrations.errors import UnsupportedModelError
 
@@ -29,9 +30,6 @@ from kvrag_integrations.errors import UnsupportedModelError
 # of answering "Yes", " yes" or "YES".
 YES_VARIANTS = ("yes", " yes", "Yes", " Yes", "YES", " YES")
 NO_VARIANTS = ("no", " no", "No", " No", "NO", " NO")
-
-_DOC_SENTINEL = "\x00kvrag-rerank-document\x00"
-_QUERY_SENTINEL = "\x00kvrag-rerank-query\x00"
 
 
 @dataclass(frozen=True)
@@ -97,24 +95,21 @@ class RerankTemplate:
         if not self.chat or not getattr(tokenizer, "chat_template", None):
             lead = f"{self.system}\n\n" if self.chat and self.system else ""
             return RenderedTemplate(lead + self.prefix, self.middle, self.suffix)
-        content = f"{self.prefix}{_DOC_SENTINEL}{self.middle}{_QUERY_SENTINEL}{self.suffix}"
-        messages = [{"role": "user", "content": content}]
+        messages: list[SlottedMessage] = []
         if self.system is not None:
-            messages.insert(0, {"role": "system", "content": self.system})
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        head, found_doc, rest = rendered.partition(_DOC_SENTINEL)
-        middle, found_query, tail = rest.partition(_QUERY_SENTINEL)
-        if not (found_doc and found_query) or _DOC_SENTINEL in tail or _QUERY_SENTINEL in tail:
+            messages.append(("system", [self.system]))
+        messages.append(("user", [self.prefix, SLOT, self.middle, SLOT, self.suffix]))
+        try:
+            head, middle, tail = render_slots(tokenizer, messages)
+        except ValueError as exc:
             raise ValueError(
                 f"the chat template dropped or reordered the slots of template {self.name!r}"
-            )
+            ) from exc
         return RenderedTemplate(head, middle, tail)
 
 
 # The default, for instruct chat models. The wording was checked on
-# SmolLM2-135M-Instruct (tests/test_rerank.py ranks a verbatim answer first).
+# SmolLM2-135M-Instruct (tests/integration/test_rerank.py ranks a verbatim answer first).
 # "Document:" ends with a newline, not a space, so that the document's first
 # word keeps the token it has in running text (byte-level BPE glues a leading
 # space to the next word).

@@ -36,6 +36,7 @@ _MAX_PARTS = 65_536  # 4 TiB at the default part size: far beyond any chunk cach
 # once, so a reader that already holds the old manifest can still fetch them.
 _STALE_PART_GRACE_MS = 60_000
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+_WRITE_ATTEMPTS = 3  # transactions tried before a write that keeps conflicting fails
 
 
 class RedisKVStore(EncodedKVStore):
@@ -48,9 +49,10 @@ class RedisKVStore(EncodedKVStore):
     ``prefix + key + ":part:<sha256[:16]>:<i>"``), then a small manifest under the
     entry's key recording the part count, sizes and the sha256 of the whole; a
     missing or damaged part makes the entry a miss. Every value gets the same TTL.
-    A write is one optimistic transaction (WATCH, then MULTI/EXEC), so concurrent
-    writers of one entry leave one whole entry and no orphaned parts; the parts
-    of an overwritten entry expire a minute later (readers may still hold them).
+    A write is one optimistic transaction (redis-py's ``client.transaction``: WATCH,
+    then MULTI/EXEC, retried on conflict), so concurrent writers of one entry
+    leave one whole entry and no orphaned parts; the parts of an overwritten
+    entry expire a minute later (readers may still hold them).
 
     A dead or unreachable server never hangs a request (1 s socket timeouts, one
     retry): ``get`` is then a miss and ``contains`` is False, ``put`` raises
@@ -197,46 +199,50 @@ class RedisKVStore(EncodedKVStore):
 
     def _write_bytes(self, key: str, blob: bytes) -> None:
         rkey = self._rkey(key)
+        attempts = 0
+
+        def write(pipe: Any) -> None:
+            """One optimistic transaction (``client.transaction`` watches ``rkey`` and
+            calls this again when another writer changed it before EXEC)."""
+            nonlocal attempts
+            attempts += 1
+            # Same key means same tokens and model, so an entry another writer left
+            # meanwhile is as good as ours: adding ours too would only orphan parts.
+            if attempts > 1 and pipe.exists(rkey):
+                pipe.unwatch()
+                return
+            if attempts > _WRITE_ATTEMPTS:
+                raise StoreWriteError(
+                    f"cannot write cache entry {key[:16]}: writers kept conflicting"
+                )
+            self._queue_write(pipe, rkey, blob)
+
         try:
-            for _ in range(3):
-                try:
-                    self._transaction(rkey, blob)
-                    return
-                except redis_lib.WatchError:
-                    # Another writer changed this key meanwhile (or the connection
-                    # dropped mid-transaction). Same key means same tokens and model, so
-                    # an entry that is there now is as good as ours: adding ours too
-                    # would only orphan parts.
-                    if self.client.exists(rkey):
-                        return
-            raise StoreWriteError(f"cannot write cache entry {key[:16]}: writers kept conflicting")
+            self.client.transaction(write, rkey)
         except redis_lib.RedisError as exc:
             raise StoreWriteError(f"cannot write cache entry {key[:16]} to redis: {exc}") from exc
 
-    def _transaction(self, rkey: str, blob: bytes) -> None:
-        """One optimistic transaction: parts first, then the manifest (or the blob)."""
+    def _queue_write(self, pipe: Any, rkey: str, blob: bytes) -> None:
+        """Queue parts first, then the manifest (or the blob) on a watching ``pipe``."""
         px = self._px
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.watch(rkey)  # EXEC fails if anyone writes rkey before it
-            old_parts = self._old_parts(pipe, rkey)
-            pipe.multi()
-            new_parts: list[str] = []
-            if len(blob) <= self.max_value_bytes:
-                pipe.set(rkey, blob, px=px)
-            else:
-                # Part names come from the blob's sha256: a reader that got an older
-                # manifest never reads parts of this one.
-                digest = hashlib.sha256(blob).hexdigest()
-                size, part = len(blob), self.max_value_bytes
-                new_parts = self._part_keys(rkey, digest, -(-size // part))
-                view = memoryview(blob)
-                for i, part_key in enumerate(new_parts):
-                    pipe.set(part_key, view[i * part : (i + 1) * part], px=px)
-                meta = {"size": size, "part": part, "count": len(new_parts), "sha256": digest}
-                pipe.set(rkey, _MANIFEST_MAGIC + json.dumps(meta).encode(), px=px)
-            for part_key in set(old_parts) - set(new_parts):
-                pipe.pexpire(part_key, _STALE_PART_GRACE_MS)
-            pipe.execute()
+        old_parts = self._old_parts(pipe, rkey)  # read before MULTI, under the watch
+        pipe.multi()
+        new_parts: list[str] = []
+        if len(blob) <= self.max_value_bytes:
+            pipe.set(rkey, blob, px=px)
+        else:
+            # Part names come from the blob's sha256: a reader that got an older
+            # manifest never reads parts of this one.
+            digest = hashlib.sha256(blob).hexdigest()
+            size, part = len(blob), self.max_value_bytes
+            new_parts = self._part_keys(rkey, digest, -(-size // part))
+            view = memoryview(blob)
+            for i, part_key in enumerate(new_parts):
+                pipe.set(part_key, view[i * part : (i + 1) * part], px=px)
+            meta = {"size": size, "part": part, "count": len(new_parts), "sha256": digest}
+            pipe.set(rkey, _MANIFEST_MAGIC + json.dumps(meta).encode(), px=px)
+        for part_key in set(old_parts) - set(new_parts):
+            pipe.pexpire(part_key, _STALE_PART_GRACE_MS)
 
     def _delete(self, key: str) -> None:
         rkey = self._rkey(key)

@@ -62,8 +62,8 @@ def turbo_layout(
 
     Examples:
         >>> from kvrag_integrations.engine.segments import Piece
-        >>> p = TokenizedPrompt([Piece(torch.tensor([1, 2]), False, "a"),
-        ...                      Piece(torch.tensor([3, 4, 5]), True, "b")])
+        >>> p = TokenizedPrompt([Piece(torch.tensor([1, 2]), "text", "a"),
+        ...                      Piece(torch.tensor([3, 4, 5]), "chunk", "b")])
         >>> lay = turbo_layout(p, answer_tokens=1)
         >>> lay.position_ids.tolist(), lay.block_ids.tolist()
         ([0, 1, 2, 3, 4, 5], [0, 0, 1, 1, 1, 0])
@@ -76,7 +76,7 @@ def turbo_layout(
     block = 0
     for piece in prompt.pieces:
         n = piece.ids.numel()
-        if piece.is_chunk:
+        if piece.is_cached:  # encoded alone: a chunk, or the cached leading text
             block += 1
             at = next_pos if positions == "reordered" else 0
             pos.append(torch.arange(at, at + n))

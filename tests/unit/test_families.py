@@ -22,6 +22,7 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvrag_integrations.chunk_kv import QUANT_NAMES
+from kvrag_integrations.engine.chunk_caches import attach_suffix
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.generate import to_dynamic_cache
 from kvrag_integrations.engine.layout import SUPPORTED_ARCHITECTURES, ModelLayout, RotaryShift
@@ -147,20 +148,18 @@ def ids(n: int, seed: int) -> torch.Tensor:
 
 def prompt_of(*pieces: tuple[torch.Tensor, str]) -> TokenizedPrompt:
     """Pieces as (ids, kind) with kind "text", "chunk" or "prefix"."""
-    return TokenizedPrompt(
-        [Piece(t, kind != "text", "", is_prefix=kind == "prefix") for t, kind in pieces]
-    )
+    return TokenizedPrompt([Piece(t, kind, "") for t, kind in pieces])
 
 
 def chunk_kvs(model: LoadedModel, prompt: TokenizedPrompt) -> list:
     return [
-        encode_chunk_batch(model.model, [p.ids], model.fingerprint, 0)[0]
-        for p in prompt.chunk_pieces
+        encode_chunk_batch(model.model, [p.entry_ids], model.fingerprint, 0)[0]
+        for p in prompt.cached_pieces
     ]
 
 
 def full_logits(model: LoadedModel, prompt: TokenizedPrompt) -> torch.Tensor:
-    flat = TokenizedPrompt([Piece(p.ids, False, "") for p in prompt.pieces])
+    flat = TokenizedPrompt([Piece(p.ids, "text", "") for p in prompt.pieces])
     return FullPrefill().prefill(model, flat, []).logits
 
 
@@ -211,13 +210,13 @@ def block_reference(model: LoadedModel, prompt: TokenizedPrompt) -> torch.Tensor
     kinds, spans, start = [], [], 0
     for piece in prompt.pieces:
         spans.append((start, start + piece.ids.numel()))
-        kinds.append(piece.is_chunk)
+        kinds.append(piece.is_cached)
         start += piece.ids.numel()
     total = start
     allowed = torch.zeros(total, total, dtype=torch.bool)
     causal = torch.ones(total, total).tril().bool()
-    for (a, b), is_chunk in zip(spans, kinds):
-        if is_chunk:  # a chunk (or the leading text) was encoded alone
+    for (a, b), is_cached in zip(spans, kinds):
+        if is_cached:  # a chunk (or the leading text) was encoded alone
             allowed[a:b, a:b] = causal[a:b, a:b]
         else:
             allowed[a:b, :b] = causal[a:b, :b]
@@ -268,7 +267,7 @@ def greedy(model: LoadedModel, kv: Any, logits: torch.Tensor, n: int = 8) -> lis
 def test_d_greedy_tokens_equal_full(model: LoadedModel) -> None:
     prompt = prompt_of(*CHUNK_FIRST)
     turbo = TurboRAG().prefill(model, prompt, chunk_kvs(model, prompt))
-    flat = TokenizedPrompt([Piece(p.ids, False, "") for p in prompt.pieces])
+    flat = TokenizedPrompt([Piece(p.ids, "text", "") for p in prompt.pieces])
     full = FullPrefill().prefill(model, flat, [])
     assert greedy(model, turbo.kv, turbo.logits) == greedy(model, full.kv, full.logits)
 
@@ -326,3 +325,30 @@ def test_e_stored_precisions_are_cast_exactly_where_laid_out(
     got = TurboRAG().prefill(model, prompt, stored).logits
     want = TurboRAG().prefill(model, prompt, widened).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_f_chunk_suffix_read_with_its_chunk(model: LoadedModel) -> None:
+    """Entries hold each chunk followed by the chunk suffix. Where the prompt
+    continues a chunk with it, turbo reads the suffix's rows too: the same as the
+    block-masked forward with the suffix in the chunk's block. Where it does not,
+    turbo takes the chunk's rows alone: the same as entries of the chunk alone."""
+    suffix = ids(2, 30)
+    plain = prompt_of(
+        (ids(5, 10), "prefix"),
+        (ids(12, 11), "chunk"),
+        (suffix, "text"),  # continued by the suffix: read from the entry
+        (ids(9, 13), "chunk"),
+        (torch.cat([suffix, ids(3, 31)]), "text"),  # the suffix, then more text
+        (ids(16, 15), "chunk"),
+        (ids(8, 16), "text"),  # not the suffix: the chunk's rows alone
+    )
+    attached = attach_suffix(plain, suffix)
+    assert [p.ids.numel() for p in attached.pieces] == [5, 14, 11, 3, 16, 8]
+    assert all(torch.equal(p.entry_ids[-2:], suffix) for p in attached.chunk_pieces)
+    assert torch.equal(attached.input_ids, plain.input_ids)
+    turbo = TurboRAG().prefill(model, attached, chunk_kvs(model, attached))
+    assert_close(turbo.logits, block_reference(model, attached))
+    assert int(turbo.reused_mask.sum()) == 5 + 14 + 11 + 16
+    if all(w is None for w in model.layout.windows):  # (short windows hide the rows)
+        alone = TurboRAG().prefill(model, plain, chunk_kvs(model, plain))
+        assert (turbo.logits - alone.logits).abs().max() > 1e-4  # the suffix rows differ

@@ -1,4 +1,7 @@
-"""ChunkLoader: concurrent reads and prefetch give exactly what ``store.get`` gives."""
+"""ChunkLoader: concurrent reads and prefetch give exactly what ``store.get`` gives.
+
+The loader alone, then through the engine (``engine``: the unit tier's tiny model).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.engine.loader import ChunkLoader
 from kvrag_integrations.store import DiskKVStore, MemoryKVStore
@@ -96,3 +100,41 @@ def test_bad_settings_are_refused() -> None:
         ChunkLoader(max_workers=0)
     with pytest.raises(ValueError):
         ChunkLoader(ttl_s=0)
+
+
+# ---------------------------------------------- through the engine (tiny model)
+CHUNKS = [
+    "Canberra is the capital city of Australia; Parliament first met there in 1927.",
+    "Ottawa is the capital of Canada. It lies on the Ottawa River in Ontario.",
+    "Wellington is the capital of New Zealand, at the southern tip of the North Island.",
+]
+QUESTION = "What is the capital of Canada?"
+
+
+def on_disk(engine: KVRAGEngine, root: Path) -> KVRAGEngine:
+    return KVRAGEngine(engine.loaded, store=DiskKVStore(root), on_miss="encode")
+
+
+def test_prefetched_and_concurrent_reads_give_the_same_logits(
+    engine: KVRAGEngine, tmp_path: Path
+) -> None:
+    eng = on_disk(engine, tmp_path)
+    eng.encode_chunks(CHUNKS, show_progress=False)
+    eng.prefill(question=QUESTION, chunks=CHUNKS, strategy="turbo")  # caches the leading text
+    ahead = eng.prefill(question=QUESTION, chunks=CHUNKS, strategy="turbo")  # concurrent reads
+    assert eng.prefetch(CHUNKS) == len(CHUNKS)
+    fetched = eng.prefill(question=QUESTION, chunks=CHUNKS, strategy="turbo")
+    assert eng.caches.loader.taken == len(CHUNKS) and eng.caches.loader.staged == 0
+    assert fetched.fallback is None and fetched.token_counts() == ahead.token_counts()
+    torch.testing.assert_close(fetched.logits, ahead.logits, rtol=0, atol=0)
+
+
+def test_prefetch_of_unknown_or_bad_texts_reads_nothing_wrong(
+    engine: KVRAGEngine, tmp_path: Path
+) -> None:
+    eng = on_disk(engine, tmp_path)
+    assert eng.prefetch(["never encoded"]) == 1  # a read that will be a miss
+    assert eng.prefetch([""]) == 0  # not a chunk: skipped, no error
+    pre = eng.prefill(question=QUESTION, chunks=["never encoded"], strategy="turbo")
+    assert pre.lazily_encoded_chunks == 1  # the prefetched miss was a miss, encoded here
+    assert eng.caches.loader.taken == 1 and eng.caches.loader.staged == 0

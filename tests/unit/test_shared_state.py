@@ -1,7 +1,7 @@
 """Shared state made explicit: the forward lock lives with the weights, and the
 shared engines are an object with get / register / engines / reset.
 
-A tiny random Llama (no weights to load, no tokenizer needed for these checks).
+A tiny random Llama (no weights to load) with a stand-in tokenizer.
 """
 
 from __future__ import annotations
@@ -16,6 +16,15 @@ from kvrag_integrations.engine.layout import ModelLayout
 from kvrag_integrations.engine.model import LoadedModel
 
 
+class StandInTokenizer:
+    """Enough of a tokenizer for an engine to be built (its chunk suffix is tokenized)."""
+
+    pad_token_id = 0
+
+    def __call__(self, text: str, **_: object) -> dict[str, list[int]]:
+        return {"input_ids": [3 + ord(c) % 60 for c in text]}
+
+
 def tiny(name: str = "tiny-llama") -> LoadedModel:
     config = transformers.LlamaConfig(
         vocab_size=64,
@@ -28,7 +37,10 @@ def tiny(name: str = "tiny-llama") -> LoadedModel:
     )
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return LoadedModel(lm, None, name, name, torch.device("cpu"), torch.float32, ModelLayout.of(lm))
+    tokenizer = StandInTokenizer()
+    return LoadedModel(
+        lm, tokenizer, name, name, torch.device("cpu"), torch.float32, ModelLayout.of(lm)
+    )
 
 
 def test_engines_on_one_loaded_model_share_its_forward_lock() -> None:

@@ -96,7 +96,7 @@ class CacheBlend(ChunkReuse):
         kv, uncached = self.assemble(model, prompt, chunk_kvs)
         todo = with_last(uncached, kv.num_tokens)
         # A cached leading prefix is exact (nothing precedes it): never a candidate.
-        candidates = torch.ones(kv.num_tokens, dtype=torch.bool, device=kv.keys.device)
+        candidates = torch.ones(kv.num_tokens, dtype=torch.bool, device=kv.device)
         candidates[uncached] = False
         if prompt.pieces and prompt.pieces[0].is_prefix:
             candidates[: prompt.pieces[0].ids.numel()] = False
@@ -113,7 +113,7 @@ class CacheBlend(ChunkReuse):
             keep[rows] |= self.pick(kv, layer, fresh_k, fresh_v, rows, candidates[rows])
             return None if self.refresh_check_layer else keep[rows]
 
-        every = torch.arange(kv.num_tokens, device=kv.keys.device)
+        every = torch.arange(kv.num_tokens, device=kv.device)
         run_tokens(model.model, model.layout, kv, every, select, stop_after=self.check_layer)
         computed = keep.nonzero().flatten()
         logits = run_tokens(model.model, model.layout, kv, computed)
@@ -145,10 +145,10 @@ class CacheBlend(ChunkReuse):
 
     def _chunk_starts(self, prompt: TokenizedPrompt, kv: PromptKV, n: int) -> torch.Tensor:
         """Mask of the first ``n`` tokens of every chunk (not the cached leading text)."""
-        starts = torch.zeros(kv.num_tokens, dtype=torch.bool, device=kv.keys.device)
+        starts = torch.zeros(kv.num_tokens, dtype=torch.bool, device=kv.device)
         offset = 0
         for piece in prompt.pieces:
-            if piece.is_chunk and not piece.is_prefix:
+            if piece.is_chunk:
                 starts[offset : offset + min(n, piece.ids.numel())] = True
             offset += piece.ids.numel()
         return starts

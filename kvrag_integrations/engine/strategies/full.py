@@ -41,8 +41,8 @@ class FullPrefill(Strategy):
         )
         layers = cache_layers(out.past_key_values)
         kv = PromptKV(
-            keys=torch.stack([k[0] for k, _ in layers]),
-            values=torch.stack([v[0] for _, v in layers]),
+            keys=[k[0] for k, _ in layers],
+            values=[v[0] for _, v in layers],
             positions=torch.arange(ids.numel(), device=lm.device),
             input_ids=ids,
         )

@@ -43,35 +43,50 @@ class ChunkReuse(Strategy):
             the sequence indices of the text tokens still to compute.
         """
         layout = model.layout
-        shape = (layout.num_layers, layout.kv_heads, prompt.num_tokens, layout.head_dim)
-        # Text tokens' slots are written by the forward before any layer reads them.
-        keys = torch.empty(shape, dtype=model.dtype, device=model.device)
-        values = torch.empty_like(keys)
-        pos = torch.empty(prompt.num_tokens, dtype=torch.long)
+        n_tokens = prompt.num_tokens
+        pos = torch.empty(n_tokens, dtype=torch.long)
+        # How far each token's stored key moves (chunks are stored from position 0).
+        delta = torch.zeros(n_tokens, dtype=torch.long)
+        placed: list[tuple[slice, tuple[torch.Tensor, torch.Tensor]]] = []
         uncached = []
         start = next_pos = 0
         chunk_iter = iter(chunk_kvs)
         for piece in prompt.pieces:
             n = piece.ids.numel()
             span = slice(start, start + n)
-            if piece.is_chunk:
-                chunk = next(chunk_iter)
+            if piece.is_cached:
                 at = next_pos if self.positions == "reordered" else 0
-                chunk_keys, chunk_values = stored_kv(chunk)
-                # The cast from the storage dtype happens here, in the copy into the
-                # buffer that assembly makes anyway (no float copy of each chunk first).
-                layout.shift_keys(chunk_keys, at, out=keys[:, :, span])
-                values[:, :, span] = chunk_values
+                placed.append((span, stored_kv(next(chunk_iter))))
                 pos[span] = torch.arange(at, at + n)
+                delta[span] = at
                 next_pos = max(next_pos, at + n)
             else:
                 pos[span] = torch.arange(next_pos, next_pos + n)
                 next_pos += n
                 uncached.append(torch.arange(start, start + n))
             start += n
-        kv = PromptKV(keys, values, pos.to(model.device), prompt.input_ids.to(model.device))
+        kv = PromptKV.empty(layout, pos, prompt.input_ids, model.dtype, model.device)
+        # Text tokens' slots are written by the forward before any layer reads them;
+        # the rotation below runs over them too (cheaper than skipping), harmlessly.
+        moved = delta.nonzero()
+        lo, hi = (int(moved[0]), int(moved[-1]) + 1) if moved.numel() else (0, 0)
+        rotations = {}
+        for layer, (keys, values) in enumerate(zip(kv.keys, kv.values)):
+            # The cast from the storage dtype happens here, in the copy into the
+            # buffer that assembly makes anyway (no float copy of each chunk first).
+            # An entry may hold more rows than its piece (a chunk suffix the
+            # prompt does not continue with): the piece takes the first ones.
+            for span, (chunk_keys, chunk_values) in placed:
+                n = span.stop - span.start
+                keys[:, span] = chunk_keys[layer][:, :n]
+                values[:, span] = chunk_values[layer][:, :n]
+            if hi > lo:
+                rotary = layout.rotary_of(layer)
+                if id(rotary) not in rotations:  # one cos/sin per rotary, not per layer
+                    rotations[id(rotary)] = rotary.rotation(delta[lo:hi], kv.device)
+                rotary.rotate(keys[:, lo:hi], *rotations[id(rotary)], out=keys[:, lo:hi])
         todo = torch.cat(uncached) if uncached else torch.zeros(0, dtype=torch.long)
-        return kv, todo.to(model.device)
+        return kv, todo.to(kv.device)
 
 
 def stored_kv(chunk: ChunkKV) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,39 +1,38 @@
-"""Failures and hostile input: unwritable stores, bad arguments, no pickle, hash-only names."""
+"""The engine under faults: unwritable stores, bad arguments, hash-only names, bad entries.
+
+Damaged, foreign, truncated or forged cache entries are misses and are
+recomputed. Faults of the stores alone are in test_store*.py (disk, memory,
+tiered) and tests/integration/test_store_redis.py; the engine over a Redis that
+dies is in tests/integration/test_engine_redis.py.
+"""
 
 from __future__ import annotations
 
-import ast
 import errno
 import logging
 import os
-import pickle
 import re
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-import kvrag_integrations
 from kvrag_integrations import (
-    CacheEntryError,
     ContextWindowExceededError,
     DiskKVStore,
     InvalidChunkError,
     KVRAGEngine,
-    RedisKVStore,
+    MemoryKVStore,
     StoreWriteError,
     Text,
     UnknownStrategyError,
 )
 from kvrag_integrations.chunk_kv import ChunkKV
+from kvrag_integrations.engine.segments import Chunk
 from kvrag_integrations.store import decode_entry
 
 CHUNK = "The Rosetta Stone was found in 1799 near the town of Rashid in Egypt."
 QUESTION = "When was the Rosetta Stone found?"
-PACKAGE = Path(kvrag_integrations.__file__).parent
-FP = "fp-test"
 
 
 def ask(eng: KVRAGEngine, chunks: list, **kwargs):
@@ -72,34 +71,6 @@ def test_unwritable_store(engine, tmp_path, monkeypatch, caplog, fault) -> None:
     assert "not stored" in caplog.text
     assert len(store) == 0 and store.stats.writes == 0
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".part")]  # no temp litter
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_dead_or_silent_redis_does_not_hang() -> None:
-    pytest.importorskip("redis", reason="the redis client is missing: pip install -e '.[test]'")
-    kv = ChunkKV(torch.arange(4), torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), FP)
-    dead = RedisKVStore(f"redis://127.0.0.1:{_free_port()}/0")  # nothing listens
-    started = time.monotonic()
-    assert dead.get(kv.key, FP) is None and not dead.contains(kv.key)
-    with pytest.raises(StoreWriteError, match="cannot write"):
-        dead.put(kv)
-    assert time.monotonic() - started < 5
-    assert dead.stats.misses == 1 and dead.stats.rejected == 0  # down is a miss, not damage
-
-    with socket.socket() as silent:  # accepts connections, never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(8)
-        mute = RedisKVStore(f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
-        started = time.monotonic()
-        assert mute.get(kv.key, FP) is None
-        with pytest.raises(StoreWriteError):
-            mute.put(kv)
-        assert time.monotonic() - started < 15  # ~1 s timeout, one retry, per call
 
 
 # --------------------------------------------------------------------- bad input
@@ -180,52 +151,6 @@ def test_recompute_ratio_outside_unit_interval(engine: KVRAGEngine, ratio: float
 
 
 # ------------------------------------------------------------------ stored data
-def _unsafe_loads(path: Path) -> list[str]:
-    """Imports of pickle-like modules and calls of torch.load / np.load in one file."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""]
-        bad_modules = {"pickle", "cPickle", "_pickle", "dill", "joblib", "marshal", "shelve"}
-        found += [f"import {n}" for n in names if n.split(".")[0] in bad_modules]
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            owner = node.func.value
-            if isinstance(owner, ast.Name) and (owner.id, node.func.attr) in {
-                ("torch", "load"),
-                ("np", "load"),
-                ("numpy", "load"),
-            }:
-                found.append(f"{owner.id}.{node.func.attr}()")
-    return [f"{path.relative_to(PACKAGE)}: {what}" for what in found]
-
-
-def test_no_pickle_in_the_package() -> None:
-    sources = sorted(PACKAGE.rglob("*.py"))
-    assert len(sources) > 20
-    assert [hit for path in sources for hit in _unsafe_loads(path)] == []
-    codec = (PACKAGE / "store" / "codec.py").read_text()
-    assert "torch.frombuffer(data" in codec  # what decoding uses instead (no copy)
-
-
-def test_a_pickled_entry_is_rejected_not_executed(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.delenv("KVRAG_PWNED", raising=False)
-
-    class Payload:
-        def __reduce__(self):
-            return exec, ("import os; os.environ['KVRAG_PWNED'] = '1'",)
-
-    blob = pickle.dumps(Payload())
-    with pytest.raises(CacheEntryError):
-        decode_entry(blob)
-    store = DiskKVStore(tmp_path)
-    key = "ab" * 32
-    (tmp_path / key[:2]).mkdir()
-    (tmp_path / key[:2] / f"{key}.safetensors").write_bytes(blob)
-    assert store.get(key, "any-model") is None and store.stats.rejected == 1
-    assert "KVRAG_PWNED" not in os.environ
 
 
 @pytest.mark.parametrize("text", ["../../etc/passwd", "/etc/shadow", "a\x00b", "C:\\Windows\\x"])
@@ -237,3 +162,57 @@ def test_keys_and_paths_come_from_hashes(engine: KVRAGEngine, tmp_path: Path, te
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert files == [root / ref.key[:2] / f"{ref.key}.safetensors"]
     assert files[0].resolve().is_relative_to(root.resolve())
+
+
+# ------------------------------------------- damaged, foreign and forged entries
+def test_reingestion_repairs_a_truncated_entry(tmp_path: Path, engine) -> None:
+    e = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path), on_miss="encode")
+    text = "The Rosetta Stone was found in 1799 near Rashid."
+    (ref,) = e.encode_chunks([text], show_progress=False)
+    path = next(tmp_path.glob(f"??/{ref.key}.safetensors"))
+    intact = path.read_bytes()
+    path.write_bytes(intact[: len(intact) // 2])
+    e.encode_chunks([text], show_progress=False)  # verifies, finds it broken, re-encodes
+    repaired, original = decode_entry(path.read_bytes()), decode_entry(intact)
+    assert torch.equal(repaired.keys, original.keys)
+    assert torch.equal(repaired.values, original.values)
+
+
+def test_an_entry_of_the_wrong_shape_never_reaches_the_model(tmp_path: Path, engine) -> None:
+    """Right fingerprint and key, valid checksum, wrong layout (a forgery without the
+    MAC): the engine treats it as a miss instead of crashing deep in torch."""
+    e = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path), on_miss="encode")
+    text = "Champollion deciphered the hieroglyphs in 1822."
+    ids = e.tokenize([Chunk(text)]).input_ids
+    n = ids.numel()
+    e.store.put(ChunkKV(ids, torch.zeros(2, 1, n, 4), torch.zeros(2, 1, n, 4), e.fingerprint))
+    result = e.generate(question="Who deciphered them?", chunks=[text], max_new_tokens=2)
+    assert result.lazily_encoded_chunks == 1  # the bad entry was a miss, encoded again
+    config = e.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layout = (config.num_hidden_layers, config.num_key_value_heads, n, head_dim)
+    assert e.store.get(e.chunk_key(text), e.fingerprint).keys.shape == layout  # not (2, 1, n, 4)
+
+
+def test_disk_store_survives_a_new_engine_and_rejects_corruption(engine, tmp_path) -> None:
+    e = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path))
+    (ref,) = e.encode_chunks([CHUNK], show_progress=False)
+    good = e.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=1)
+    path = next(tmp_path.rglob(f"{ref.key}.safetensors"))
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    again = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path), on_miss="encode")
+    result = again.generate(question=QUESTION, chunks=[CHUNK], max_new_tokens=1)
+    assert result.lazily_encoded_chunks == 1  # the corrupt entry was a miss
+    assert again.store.stats.rejected == 1
+    torch.testing.assert_close(result.first_token_logits, good.first_token_logits)
+    assert again.store.get(ref.key, again.fingerprint) is not None  # overwritten
+
+
+def test_foreign_fingerprint_entry_is_never_used(engine: KVRAGEngine) -> None:
+    store = MemoryKVStore()
+    e = KVRAGEngine(engine.loaded, store=store)
+    (ref,) = e.encode_chunks([CHUNK], show_progress=False)
+    assert store.get(ref.key, "another-model") is None
+    assert store.stats.rejected == 1

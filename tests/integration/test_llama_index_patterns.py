@@ -235,7 +235,7 @@ def test_readme_pattern_uses_one_engine_and_reuses_on_the_first_query() -> None:
     import sys
 
     code = README_PATTERN % (list(DOCS.values()), QUESTION)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     run = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -1,4 +1,7 @@
-"""LangChain's own standard suites on the real default model and a real chromadb.
+"""LangChain's own integration suites on the real default model and a real chromadb.
+
+Their unit suites (construction, standard params, no weights) run on the tiny
+model in tests/unit/test_langchain_standard_unit.py.
 
 Features the model does not have (tool calling, structured output, JSON mode,
 image/audio/PDF/video inputs) are off through the suites' property flags.
@@ -13,12 +16,12 @@ from typing import Any
 import chromadb
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
+from langchain_suites import ChatKVRAGFlags
 from langchain_tests.integration_tests import (
     ChatModelIntegrationTests,
     EmbeddingsIntegrationTests,
     RetrieversIntegrationTests,
 )
-from langchain_tests.unit_tests import ChatModelUnitTests, EmbeddingsUnitTests
 
 from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.langchain import (
@@ -57,66 +60,15 @@ def seeded_collection() -> Any:
     return collection
 
 
-class _ChatParams:
-    @property
-    def chat_model_class(self) -> type[ChatKVRAG]:
-        return ChatKVRAG
-
+class _ChatParams(ChatKVRAGFlags):
     @property
     def chat_model_params(self) -> dict[str, Any]:
         return dict(CHAT_PARAMS)
-
-    # What a local text-only 135M chat model has and has not.
-    @property
-    def has_tool_calling(self) -> bool:
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        return False
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return False
-
-    @property
-    def supports_image_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_audio_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_pdf_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_video_inputs(self) -> bool:
-        return False
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
-
-    @property
-    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
-
-    @property
-    def supports_model_override(self) -> bool:
-        return True
 
     @property
     def model_override_value(self) -> str:
         # The same weights under another name: the default model's local folder.
         return str(KVRAGEngine.shared().model.name_or_path)
-
-
-class TestChatKVRAGUnit(_ChatParams, ChatModelUnitTests):
-    @property
-    def chat_model_params(self) -> dict[str, Any]:
-        return {}  # the unit suite passes max_tokens and stop itself
 
 
 class TestChatKVRAGIntegration(_ChatParams, ChatModelIntegrationTests):
@@ -145,12 +97,6 @@ class TestKVRAGRetriever(RetrieversIntegrationTests):
     @property
     def retriever_query_example(self) -> str:
         return "What is the capital of France?"
-
-
-class TestMiniLMEmbeddingsUnit(EmbeddingsUnitTests):
-    @property
-    def embeddings_class(self) -> type[MiniLMEmbeddings]:
-        return MiniLMEmbeddings
 
 
 class TestMiniLMEmbeddingsIntegration(EmbeddingsIntegrationTests):

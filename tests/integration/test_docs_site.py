@@ -15,7 +15,7 @@ from pathlib import Path
 import griffe
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_site_builds_strict(tmp_path: Path) -> None:

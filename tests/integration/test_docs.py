@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- skip-run -->\s*)?```python\n(.*?)```", re.S)
 
@@ -30,6 +30,8 @@ def test_code_blocks_run(path: Path, tmp_path: Path) -> None:
     script = tmp_path / f"{path.stem}_blocks.py"
     script.write_text("\n\n".join(python_blocks(path)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False"}
+    # This checkout's package first (as test_cookbook does), whatever is installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,

@@ -1,23 +1,40 @@
-"""Tests of the chunk KV stores and their byte format (synthetic tensors, no model)."""
+"""Tests of the chunk KV stores and their byte format (synthetic tensors, no model).
+
+Faults of the stores alone (damaged, foreign, unwritable, pickled) are here;
+how the engine recovers from them is in test_engine_faults.py.
+"""
 
 from __future__ import annotations
 
+import _pickle
+import ast
 import os
+import pickle
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy
 import pytest
 import safetensors.torch
 import torch
 
+import kvrag_integrations
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError, StoreWriteError
-from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore, decode_entry, encode_entry
+from kvrag_integrations.store import (
+    DiskKVStore,
+    KVStore,
+    MemoryKVStore,
+    TieredKVStore,
+    decode_entry,
+    encode_entry,
+)
 from kvrag_integrations.store.codec import FORMAT_VERSION, _checksum
 
 FP = "fp-test"
+PACKAGE = Path(kvrag_integrations.__file__).parent
 
 
 def make_kv(
@@ -285,3 +302,98 @@ def test_memory_overwrite_and_delete_keep_nbytes_right() -> None:
     assert store.nbytes == kv.nbytes and len(store) == 1
     store.delete(kv.key)
     assert store.nbytes == 0 and len(store) == 0
+
+
+# ------------------------------------------------- no pickle in stored data
+def _unsafe_loads(path: Path) -> list[str]:
+    """Imports of pickle-like modules and calls of torch.load / np.load in one file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        bad_modules = {"pickle", "cPickle", "_pickle", "dill", "joblib", "marshal", "shelve"}
+        found += [f"import {n}" for n in names if n.split(".")[0] in bad_modules]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and (owner.id, node.func.attr) in {
+                ("torch", "load"),
+                ("np", "load"),
+                ("numpy", "load"),
+            }:
+                found.append(f"{owner.id}.{node.func.attr}()")
+    return [f"{path.relative_to(PACKAGE)}: {what}" for what in found]
+
+
+def test_source_scan_no_pickle_imports_or_torch_load_in_the_package() -> None:
+    """A source-text check (it reads the package's files, runs nothing): no module
+    imports pickle-like modules or calls torch.load / np.load, and the codec decodes
+    with torch.frombuffer. The behavioural counterpart is
+    test_entries_are_read_back_with_every_unpickler_disabled."""
+    sources = sorted(PACKAGE.rglob("*.py"))
+    assert len(sources) > 20
+    assert [hit for path in sources for hit in _unsafe_loads(path)] == []
+    codec = (PACKAGE / "store" / "codec.py").read_text()
+    assert "torch.frombuffer(data" in codec  # what decoding uses instead (no copy)
+
+
+def test_a_pickled_entry_is_rejected_not_executed(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("KVRAG_PWNED", raising=False)
+
+    class Payload:
+        def __reduce__(self):
+            return exec, ("import os; os.environ['KVRAG_PWNED'] = '1'",)
+
+    blob = pickle.dumps(Payload())
+    with pytest.raises(CacheEntryError):
+        decode_entry(blob)
+    store = DiskKVStore(tmp_path)
+    key = "ab" * 32
+    (tmp_path / key[:2]).mkdir()
+    (tmp_path / key[:2] / f"{key}.safetensors").write_bytes(blob)
+    assert store.get(key, "any-model") is None and store.stats.rejected == 1
+    assert "KVRAG_PWNED" not in os.environ
+
+
+UNPICKLERS = [
+    (pickle, "load"),
+    (pickle, "loads"),
+    (pickle, "Unpickler"),
+    (_pickle, "load"),
+    (_pickle, "loads"),
+    (_pickle, "Unpickler"),
+    (torch, "load"),
+    (numpy, "load"),
+]
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "int8", "model"])
+def test_entries_are_read_back_with_every_unpickler_disabled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    """Writing and reading entries through every local store never unpickles: with
+    pickle, torch.load and numpy.load all raising, entries still round-trip, and
+    decoding reads the tensors with torch.frombuffer (no copy, no unpickler)."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cache entry was unpickled")
+
+    for module, name in UNPICKLERS:
+        monkeypatch.setattr(module, name, refuse)
+    frombuffer, decoded = torch.frombuffer, []
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        decoded.append(kwargs.get("dtype"))
+        return frombuffer(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "frombuffer", spy)
+    kv = make_kv(n=8).stored_as(precision)
+    assert_same(decode_entry(encode_entry(kv)), kv)
+    assert decoded, "decoding did not go through torch.frombuffer"
+    disk = DiskKVStore(tmp_path / "disk")
+    for store in (MemoryKVStore(), disk, TieredKVStore(DiskKVStore(tmp_path / "tiered"))):
+        store.put(kv)
+        assert_same(store.get(kv.key, FP), kv)
+    assert_same(DiskKVStore(disk.root).get(kv.key, FP), kv)  # read back by a new process

@@ -180,7 +180,7 @@ def test_the_environment_variable_turns_recording_off() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
-        cwd=Path(__file__).resolve().parents[1],  # this checkout first on sys.path
+        cwd=Path(__file__).resolve().parents[2],  # this checkout first on sys.path
         capture_output=True,
         text=True,
         timeout=120,

@@ -6,7 +6,7 @@ in a temporary working directory, with a timeout per cell. The kernel imports
 ``PYTHONPATH``). A cell that raises fails the test, so a broken notebook fails the
 build.
 
-``KVRAG_COOKBOOK_SAVE=1 python -m pytest tests/test_cookbook.py`` also writes the
+``KVRAG_COOKBOOK_SAVE=1 python -m pytest tests/integration/test_cookbook.py`` also writes the
 executed notebooks (with their outputs) back to ``cookbook/``; that is how the
 committed outputs are made.
 """
@@ -22,7 +22,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "cookbook").glob("*.ipynb"))
 CELL_TIMEOUT_S = 600
 

@@ -1,0 +1,146 @@
+"""Rendering a model's chat template around slots: the one place sentinels are used.
+
+A chat template is a program over message strings, so where a piece of content
+lands in its output is only known by rendering. Content that must keep its own
+token ids (a chunk, a reranked document, a query) goes in as a slot: a sentinel
+string carrying a random nonce drawn per call (no text can forge one), and the
+rendered text is cut at the sentinels. ``render_slots`` does that for any
+caller; ``render_chat`` turns the engine's messages of ``Text`` / ``Chunk``
+segments into prompt segments with it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any, Final
+
+from kvrag_integrations.engine.segments import Chunk, Segment, Text, control_token_strings
+
+
+class _Slot:
+    def __repr__(self) -> str:
+        return "SLOT"
+
+
+SLOT: Final = _Slot()
+"""Marks a slot in ``render_slots`` message content."""
+
+SlottedMessage = tuple[str, Sequence["str | _Slot"]]  # (role, texts written in place and slots)
+Message = tuple[str, Sequence[Segment]]  # (role, content segments)
+
+
+def _sentinel(nonce: str, i: int) -> str:
+    return f"\x00kvrag-{nonce}-{i}\x00"
+
+
+def render_slots(tokenizer: Any, messages: Sequence[SlottedMessage]) -> list[str]:
+    """Render ``messages`` with the chat template and cut the result at the slots.
+
+    Each message's content is its strings written in place with a sentinel for
+    every ``SLOT``; the generation prompt for the assistant is appended.
+
+    Args:
+        tokenizer: a tokenizer with ``chat_template``.
+        messages: ``(role, content)`` pairs; content items are strings or ``SLOT``.
+
+    Returns:
+        The rendered text around the slots: one more string than there are slots.
+
+    Raises:
+        ValueError: the template dropped, repeated, altered or reordered a slot.
+
+    Examples:
+        >>> class Tok:
+        ...     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        ...         return "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+        >>> render_slots(Tok(), [("user", ["Doc: ", SLOT, " Q: ", SLOT])])
+        ['<user>Doc: ', ' Q: ', '</>']
+    """
+    nonce = secrets.token_hex(16)
+    count = 0
+    dicts = []
+    for role, content in messages:
+        text = ""
+        for item in content:
+            if item is SLOT:
+                text += _sentinel(nonce, count)
+                count += 1
+            else:
+                text += item
+        dicts.append({"role": role, "content": text})
+    rendered = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
+    parts: list[str] = []
+    rest = rendered
+    for i in range(count):
+        before, found, rest = rest.partition(_sentinel(nonce, i))
+        if not found or _sentinel(nonce, i) in rest:
+            raise ValueError("the chat template dropped, repeated or altered a placeholder")
+        parts.append(before)
+    if f"\x00kvrag-{nonce}-" in rest:
+        raise ValueError("the chat template reordered the message placeholders")
+    parts.append(rest)
+    return parts
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
+    """Render chat messages with the model's template, keeping chunks intact.
+
+    Every piece of message content (text and chunks) goes into the template as a
+    slot (``render_slots``): the template's own text comes back as markup (its
+    control tokens are real), the messages' text and chunks as literal
+    segments, and chunks keep the ids of their stored caches. The generation
+    prompt for the assistant is appended.
+
+    A template that rewrites message text (``| trim``, say) is detected by
+    rendering the plain text too; it is then rendered the old way (text in place,
+    chunks as slots), and text holding a control-token string is refused since
+    it could not be kept literal there.
+
+    Args:
+        tokenizer: a tokenizer with ``chat_template``.
+        messages: ``(role, segments)`` pairs, e.g. ``[("user", [Text("Q"), Chunk(c)])]``.
+    """
+    slotted: list[SlottedMessage] = []
+    slots: list[Segment] = []
+    for role, content in messages:
+        filled = [seg for seg in content if seg.text]
+        slotted.append((role, [SLOT] * len(filled)))
+        slots += filled
+    out = _between(render_slots(tokenizer, slotted), slots)
+    plain = [(role, ["".join(seg.text for seg in content)]) for role, content in messages]
+    if "".join(seg.text for seg in out) == render_slots(tokenizer, plain)[0]:
+        return out
+    return _render_in_place(tokenizer, messages)
+
+
+def _render_in_place(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
+    """Fallback for templates that rewrite text: only chunks are slots."""
+    controls = control_token_strings(tokenizer)
+    chunks: list[Segment] = []
+    slotted: list[SlottedMessage] = []
+    for role, content in messages:
+        items: list[str | _Slot] = []
+        for seg in content:
+            if isinstance(seg, Chunk):
+                items.append(SLOT)
+                chunks.append(seg)
+            else:
+                if not seg.markup and any(c in seg.text for c in controls):
+                    raise ValueError(
+                        "this chat template rewrites message text, so a control-token "
+                        f"string in it ({next(c for c in controls if c in seg.text)!r}) "
+                        "cannot be kept literal; remove it or pass it inside a chunk"
+                    )
+                items.append(seg.text)
+        slotted.append((role, items))
+    return _between(render_slots(tokenizer, slotted), chunks)
+
+
+def _between(parts: Sequence[str], slots: Sequence[Segment]) -> list[Segment]:
+    """The template's text (markup ``Text``) around the slots' segments, empty text dropped."""
+    out: list[Segment] = []
+    for before, seg in zip(parts, slots):
+        out += [Text(before, markup=True), seg]
+    out.append(Text(parts[-1], markup=True))
+    return [s for s in out if not (isinstance(s, Text) and not s.text)]
