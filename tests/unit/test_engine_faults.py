@@ -183,9 +183,10 @@ def test_an_entry_of_the_wrong_shape_never_reaches_the_model(tmp_path: Path, eng
     MAC): the engine treats it as a miss instead of crashing deep in torch."""
     e = KVRAGEngine(engine.loaded, store=DiskKVStore(tmp_path), on_miss="encode")
     text = "Champollion deciphered the hieroglyphs in 1822."
-    ids = e.tokenize([Chunk(text)]).input_ids
+    ids = e.caches.entry_ids(e.tokenize([Chunk(text)]).input_ids)  # its key's ids
     n = ids.numel()
     e.store.put(ChunkKV(ids, torch.zeros(2, 1, n, 4), torch.zeros(2, 1, n, 4), e.fingerprint))
+    assert e.store.contains(e.chunk_key(text))
     result = e.generate(question="Who deciphered them?", chunks=[text], max_new_tokens=2)
     assert result.lazily_encoded_chunks == 1  # the bad entry was a miss, encoded again
     config = e.model.config
