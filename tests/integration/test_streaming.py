@@ -213,3 +213,24 @@ def test_exiting_with_a_stream_in_flight_is_clean() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_stop_string_across_tokens_is_cut_where_it_starts(eng: KVRAGEngine) -> None:
+    """transformers' StopStringCriteria ends decoding; the text stops before the string."""
+    from kvrag_integrations.engine.generate import stop_string_criteria
+
+    kw = dict(question=QUESTION, chunks=[CHUNK], max_new_tokens=24)
+    plain = eng.generate(**kw)
+    # A boundary between two generated tokens, well inside the answer.
+    ids = plain.token_ids
+    cut = len(eng.tokenizer.decode(ids[: len(ids) // 2], skip_special_tokens=True))
+    stop = plain.text[cut - 2 : cut + 2]
+    assert len(stop) == 4 and plain.text.find(stop) >= 0
+    criteria = stop_string_criteria(eng.tokenizer, [stop])
+    assert criteria is not None and stop_string_criteria(eng.tokenizer, [stop]) is criteria
+    stopped = eng.generate(stop=[stop], **kw)
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == plain.text[: plain.text.find(stop)]
+    assert stopped.generated_tokens < plain.generated_tokens
+    stream = eng.stream(stop=[stop], **kw)
+    assert "".join(stream) == stopped.text == stream.result.text
