@@ -8,6 +8,7 @@ Examples:
 
 from kvrag_integrations.engine import (
     CACHE_KEY_FIELD,
+    AsyncGenerationStream,
     Chunk,
     ChunkKV,
     ChunkRef,
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CACHE_KEY_FIELD",
+    "AsyncGenerationStream",
     "CacheEntryError",
     "Chunk",
     "ChunkKV",
