@@ -8,6 +8,7 @@ Examples:
 
 from kvrag_integrations.engine import (
     CACHE_KEY_FIELD,
+    AsyncGenerationStream,
     Chunk,
     ChunkKV,
     ChunkRef,
@@ -21,6 +22,7 @@ from kvrag_integrations.engine import (
     cache_key,
     make_strategy,
 )
+from kvrag_integrations.engine.registry import SharedEngines, shared_engines
 from kvrag_integrations.errors import (
     CacheEntryError,
     ContextWindowExceededError,
@@ -44,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CACHE_KEY_FIELD",
+    "AsyncGenerationStream",
     "CacheEntryError",
     "Chunk",
     "ChunkKV",
@@ -61,6 +64,7 @@ __all__ = [
     "PrefillResult",
     "RedisKVStore",
     "SamplingParams",
+    "SharedEngines",
     "StoreWriteError",
     "Strategy",
     "Text",
@@ -71,4 +75,5 @@ __all__ = [
     "__version__",
     "cache_key",
     "make_strategy",
+    "shared_engines",
 ]

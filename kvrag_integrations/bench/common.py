@@ -107,7 +107,7 @@ def machine_info(engine: Any = None) -> dict[str, Any]:
         info.update(
             model=engine.model_name,
             device=str(engine.device),
-            dtype=str(engine.loaded.dtype).replace("torch.", ""),
+            dtype=str(engine.dtype).replace("torch.", ""),
             context_window=engine.context_window,
         )
     return info

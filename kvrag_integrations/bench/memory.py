@@ -96,7 +96,7 @@ def _stored(kv: ChunkKV, name: str) -> ChunkKV:
 
 def _precision(engine: Any, name: str) -> str | None:
     """The ``cache_precision`` that stores in form ``name`` (None: none does)."""
-    if name == dtype_name(engine.loaded.dtype):
+    if name == dtype_name(engine.dtype):
         return "model"
     return name if name in PRECISIONS else None
 
@@ -203,7 +203,7 @@ def run(
         "chunks": len(kvs),
         "chunk_tokens": chunk_tokens,
         "repeats": repeats,
-        "model_dtype": str(engine.loaded.dtype).replace("torch.", ""),
+        "model_dtype": str(engine.dtype).replace("torch.", ""),
         "redis": "measured" if binary else "redis-server not found",
         "results": per_dtype,
         "reads": reads,

@@ -124,7 +124,7 @@ def run(
         "chunk_tokens": chunk_tokens,
         "repeats": repeats,
         "reference_precision": precisions[0],
-        "model_dtype": str(engine.loaded.dtype).replace("torch.", ""),
+        "model_dtype": str(engine.dtype).replace("torch.", ""),
         "redis": "measured" if binary else "redis-server not found",
         "floor_ms": statistics.median(floors) * 1000,
         "results": rows,

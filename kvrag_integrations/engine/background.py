@@ -3,9 +3,10 @@
 A request whose chunks are not cached answers by plain prefill (the engine's
 ``on_miss="defer"``) and hands the missed chunks here; the worker encodes and
 stores them, so the next request that shows them reuses their caches. The
-worker takes the engine's forward lock per batch (``ChunkCaches.encode_and_store``
-does), so it never runs a forward at the same time as a request; between
-batches a waiting request gets the lock.
+worker takes the weights' forward lock (``LoadedModel.lock``) per batch
+(``ChunkCaches.encode_and_store`` does), so it never runs a forward at the same
+time as a request of any engine on those weights; between batches a waiting
+request gets the lock.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -70,7 +69,6 @@ class ChunkCaches:
         self,
         loaded: LoadedModel,
         store: KVStore,
-        lock: threading.RLock,
         precision: str = "float16",
         suffix: str = DEFAULT_CHUNK_SUFFIX,
     ) -> None:
@@ -84,7 +82,6 @@ class ChunkCaches:
         self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
         self.index = ChunkIndex()
         self.loader = ChunkLoader()
-        self._lock = lock  # the engine's: one forward at a time
 
     @property
     def fingerprint(self) -> str:
@@ -256,7 +253,7 @@ class ChunkCaches:
             for start in range(0, len(order), step):
                 batch = order[start : start + step]
                 started = time.perf_counter()
-                with self._lock:
+                with self.loaded.lock:  # one forward at a time on these weights
                     kvs = encode_chunk_batch(self.loaded.model, batch, fingerprint, pad_id)
                 seconds += time.perf_counter() - started
                 for kv in kvs:

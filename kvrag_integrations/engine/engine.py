@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
-import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -15,37 +14,47 @@ import torch
 from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.engine import registry
 from kvrag_integrations.engine.background import BackgroundEncoder
-from kvrag_integrations.engine.chat_template import Message, render_chat
 from kvrag_integrations.engine.chunk_caches import DEFAULT_CHUNK_SUFFIX, ChunkCaches
-from kvrag_integrations.engine.generate import (
-    GenerationResult,
-    SamplingParams,
-    check_int,
-    decode,
-)
+from kvrag_integrations.engine.generate import GenerationResult
 from kvrag_integrations.engine.model import LoadedModel, load_model
-from kvrag_integrations.engine.results import ChunkRef, GenerationStream, PrefillResult
+from kvrag_integrations.engine.request import (
+    ON_MISS,
+    build_segments,
+    check_on_miss,
+    plan_prefill,
+    prepare,
+)
+from kvrag_integrations.engine.results import ChunkRef, PrefillResult
 from kvrag_integrations.engine.segments import (
     DEFAULT_INSTRUCTION,
     Chunk,
     Segment,
     Text,
     TokenizedPrompt,
-    cache_leading_text,
-    check_text,
-    rag_user_segments,
     tokenize_segments,
 )
-from kvrag_integrations.engine.spans import ChunkIndex, message_segments
-from kvrag_integrations.engine.strategies import Strategy, make_strategy
+from kvrag_integrations.engine.spans import ChunkIndex
+from kvrag_integrations.engine.strategies import Strategy
+from kvrag_integrations.engine.streaming import (
+    AsyncGenerationStream,
+    GenerationStream,
+    open_request,
+)
 from kvrag_integrations.errors import check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
 
-_ROLE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
-
-ON_MISS = ("defer", "encode")
+__all__ = [
+    "ON_MISS",
+    "AsyncGenerationStream",
+    "Chunk",
+    "ChunkRef",
+    "GenerationStream",
+    "KVRAGEngine",
+    "PrefillResult",
+    "Text",
+]
 
 
 class KVRAGEngine:
@@ -101,16 +110,12 @@ class KVRAGEngine:
         """
         self.loaded = loaded
         self.cache_prefix = cache_prefix
-        self.on_miss = _check_on_miss(on_miss)
+        self.on_miss = check_on_miss(on_miss)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        # One forward at a time: torch modules are not re-entrant across threads
-        # on shared buffers, and interleaving would only slow each request down.
-        self._lock = threading.RLock()
         self.caches = ChunkCaches(
             loaded,
             store if store is not None else MemoryKVStore(),
-            self._lock,
             cache_precision,
             chunk_suffix,
         )
@@ -148,11 +153,12 @@ class KVRAGEngine:
             trust_remote_code: passed to transformers.
             attn_implementation: ``"sdpa"`` or ``"eager"``; None picks what the model
                 supports (reuse strategies need one of these two).
-            share: register the engine as the process's shared engine for
-                ``(model, device, dtype)`` (what ``KVRAGEngine.shared`` and adapters
-                built without an engine use): ``None`` (default) if none is
-                registered yet, ``True`` replacing any, ``False`` never. An engine
-                with an adapter is never registered by default.
+            share: register the engine as the process's default shared engine for
+                ``(model, device, dtype)`` in ``registry.shared_engines`` (what
+                ``KVRAGEngine.shared`` and adapters built without an engine use):
+                ``None`` (default) if none is registered yet, ``True`` replacing
+                any, ``False`` never. An engine with an adapter is never
+                registered by default.
             cache_precision: how chunk caches are stored: ``"float16"`` (default),
                 ``"bfloat16"``, ``"int8"`` or ``"model"`` (full precision); see
                 ``KVRAGEngine``.
@@ -169,8 +175,8 @@ class KVRAGEngine:
         )
         engine = cls(loaded, store=store, cache_precision=cache_precision, **engine_options)
         if share or (share is None and adapter is None):
-            registry.register_shared(
-                registry.shared_key(model, device, dtype), engine, replace=bool(share)
+            registry.shared_engines.register(
+                engine, model, device=device, dtype=dtype, replace=bool(share)
             )
         return engine
 
@@ -181,18 +187,22 @@ class KVRAGEngine:
         *,
         device: str | torch.device | None = "cpu",
         dtype: str | torch.dtype | None = None,
+        store: KVStore | None = None,
+        cache_precision: str | None = None,
     ) -> KVRAGEngine:
-        """One engine per (model, device, dtype) in this process, loaded on first use.
+        """The process's shared engine for these arguments, loaded on first use.
 
         Adapters built without an engine (``KVRAGLLM()``, ``ChatKVRAG(model=...)``)
         use it, so that every instance shares one copy of the weights and one
-        store. The first ``from_pretrained`` of a model registers itself here,
-        so an engine loaded for ingestion is the one a default adapter finds
-        (see ``kvrag_integrations.engine.registry``).
+        store. The first ``from_pretrained`` of a model registers itself as the
+        model's default here, so an engine loaded for ingestion is the one a
+        default adapter finds. With ``store`` or ``cache_precision``, the shared
+        engine with that store and precision (on the same weights). Delegates
+        to ``kvrag_integrations.shared_engines`` (``registry.SharedEngines``),
+        whose ``reset()`` forgets them.
         """
-        key = registry.shared_key(model, device, dtype)
-        return registry.get_or_load(
-            key, lambda: cls.from_pretrained(model, device=device, dtype=dtype, share=False)
+        return registry.shared_engines.get(
+            model, device=device, dtype=dtype, store=store, cache_precision=cache_precision
         )
 
     # ----------------------------------------------------------------- facts
@@ -219,6 +229,21 @@ class KVRAGEngine:
     @property
     def device(self) -> torch.device:
         return self.loaded.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of the weights (``loaded.dtype``)."""
+        return self.loaded.dtype
+
+    def exclusive(self) -> AbstractContextManager[Any]:
+        """Hold the weights' forward lock (``loaded.lock``) for a block of forwards.
+
+        Every forward on the model, by this engine or any other engine on the
+        same ``LoadedModel``, runs under this lock; code that runs its own
+        forwards on ``engine.model`` (the reranker) does so inside
+        ``with engine.exclusive():``. Re-entrant.
+        """
+        return self.loaded.lock
 
     @property
     def context_window(self) -> int:
@@ -324,51 +349,26 @@ class KVRAGEngine:
           chunk appears: one this engine has encoded, or one of ``known_chunks``
           (``spans.message_segments``).
         """
-        if sum(x is not None for x in (question, segments, messages)) != 1:
-            raise ValueError("pass exactly one of question (with chunks), segments or messages")
-        if chunks is not None and question is None:
-            raise ValueError("chunks go with question; use segments or messages otherwise")
-        if isinstance(chunks, str):
-            raise TypeError("chunks must be a list of strings, not one string")
-        chat: list[Message] = []
-        if system_prompt is not None:
-            chat.append(("system", [Text(check_text(system_prompt, "system_prompt"))]))
-        if messages is not None:
-            chat += [self._message(m, known_chunks) for m in messages]
-        elif segments is not None:
-            bad = [type(x).__name__ for x in segments if not isinstance(x, (Text, Chunk))]
-            if bad:
-                raise TypeError(f"segments must be Text or Chunk, got {bad[0]}")
-            chat.append(("user", list(segments)))
-        else:
-            chat.append(("user", rag_user_segments(question, list(chunks or []), instruction)))
-        if chat_template and not getattr(self.tokenizer, "chat_template", None):
-            logger.info("tokenizer has no chat template; using the plain prompt")
-            chat_template = False
-        if chat_template:
-            return render_chat(self.tokenizer, chat)
-        flat: list[Segment] = []
-        for role, content in chat:
-            flat += content
-            if role == "system":
-                flat.append(Text("\n\n"))
-        return flat
-
-    def _message(self, message: dict[str, Any], known_chunks: Sequence[str]) -> Message:
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise TypeError('each message must be a dict with "role" and "content"')
-        role = message["role"]
-        if not isinstance(role, str):
-            raise TypeError(f"a message role must be a str, got {type(role).__name__}")
-        if not _ROLE_RE.fullmatch(role):  # the template writes roles as markup
-            raise ValueError(f"a message role must be a plain name like 'user', got {role!r}")
-        return role, message_segments(message["content"], self.chunk_index, known_chunks)
+        return build_segments(
+            self.tokenizer,
+            self.chunk_index,
+            question=question,
+            chunks=chunks,
+            segments=segments,
+            messages=messages,
+            known_chunks=known_chunks,
+            system_prompt=system_prompt,
+            instruction=instruction,
+            chat_template=chat_template,
+        )
 
     def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
         """Tokenize segments (each alone) into a prompt."""
         return tokenize_segments(self.tokenizer, segments)
 
-    def _check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
+    def check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
+        """Raise ``ContextWindowExceededError`` naming ``what`` if ``n_tokens`` prompt
+        tokens plus ``new_tokens`` to generate exceed the context window."""
         check_fits(n_tokens, self.context_window, what, new_tokens)
 
     # -------------------------------------------------------------- prefill
@@ -396,60 +396,27 @@ class KVRAGEngine:
         prefilled in full (``result.fallback == "uncached"``, ``strategy ==
         "full"``) and its misses are queued for background encoding; with
         ``queue_misses=False`` they are queued only by ``queue_deferred(result)``
-        (``stream`` does it when decoding ends, so the worker never takes the
+        (a stream does it when decoding ends, so the worker never takes the
         forward lock between a request's prefill and its first token).
         """
-        started = time.perf_counter()
-        max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
-        strat = make_strategy(strategy, **strategy_options)
-        segs = self.build_segments(
+        request = prepare(
+            self,
+            segments=segments,
+            strategy=strategy,
             question=question,
             chunks=chunks,
-            segments=segments,
             messages=messages,
             known_chunks=known_chunks,
             system_prompt=system_prompt,
             chat_template=chat_template,
+            max_new_tokens=max_new_tokens,
+            on_miss=on_miss,
+            **strategy_options,
         )
-        prompt = self.tokenize(segs)
-        if prompt.num_tokens == 0:
-            raise ValueError("the prompt is empty")
-        self._check_fits(prompt.num_tokens, "the prompt", max_new_tokens)
-        on_miss = self.on_miss if on_miss is None else _check_on_miss(on_miss)
-        if not strat.uses_chunk_caches:
-            return self._run(strat, prompt, [], set(), started)
-        prompt = self.caches.attach_suffixes(prompt)
-        cached = cache_leading_text(prompt) if self.cache_prefix else prompt
-        found, missing = self.caches.lookup(cached)
-        if on_miss == "defer" and any(not m.is_prefix for m in missing.values()):
-            # Never slower than no reuse: encoding the misses first and then
-            # reusing them costs more than one plain prefill. Answer by the
-            # model's own forward; the misses are encoded off the request path.
-            pre = self._run(make_strategy("full"), prompt, [], set(), started)
-            pre.fallback = "uncached"
-            # Chunks first: if the queue is nearly full, they matter more.
-            pre.misses = dict(sorted(missing.items(), key=lambda km: km[1].is_prefix))
-            if queue_misses:
-                self.queue_deferred(pre)
-            return pre
-        # Only the leading text missing (its cache is what a full prefill computes
-        # anyway), or on_miss="encode": encode now and reuse.
-        found.update(self.caches.encode_missing(missing))
-        kvs = self.caches.on_device(cached, found)
-        return self._run(strat, cached, kvs, set(missing), started)
-
-    def _run(
-        self,
-        strat: Strategy,
-        prompt: TokenizedPrompt,
-        kvs: list[Any],
-        lazy: set[str],
-        started: float,
-    ) -> PrefillResult:
-        with self._lock:
-            output = strat.prefill(self.loaded, prompt, kvs)
-        elapsed = time.perf_counter() - started
-        return PrefillResult(output, prompt, strat.name, lazy, self.fingerprint, elapsed)
+        pre = plan_prefill(self, request)()
+        if queue_misses:
+            self.queue_deferred(pre)
+        return pre
 
     def queue_deferred(self, pre: PrefillResult) -> int:
         """Queue a fallback's missed chunks for background encoding (once).
@@ -473,93 +440,28 @@ class KVRAGEngine:
 
     # ------------------------------------------------------------- generate
     def stream(
-        self,
-        question: str | None = None,
-        chunks: Sequence[str] | None = None,
-        *,
-        segments: Sequence[Segment] | None = None,
-        messages: Sequence[dict[str, Any]] | None = None,
-        known_chunks: Sequence[str] = (),
-        strategy: str | Strategy = "turbo",
-        system_prompt: str | None = None,
-        chat_template: bool = True,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] | str | None = (),
-        stop_token_ids: Sequence[int] | None = (),
-        on_miss: str | None = None,
-        **strategy_options: Any,
+        self, question: str | None = None, chunks: Sequence[str] | None = None, **kwargs: Any
     ) -> GenerationStream:
-        """Like ``generate`` but returns an iterator of text pieces as they decode.
+        """Like ``generate`` (same arguments) but returns an iterator of text pieces.
 
-        The returned ``GenerationStream`` has ``.result`` (a ``GenerationResult``)
-        complete once the iterator is exhausted. Every argument is checked before
-        the prefill (``SamplingParams``); the prefill runs here, decoding as the
-        stream is read.
+        Every argument is checked and the prompt tokenized here (a bad request
+        raises at the call); the request then runs on a worker thread that holds
+        the forward lock for its prefill and decoding and hands pieces over a
+        queue (``engine.streaming``). The returned ``GenerationStream`` has
+        ``.result`` (a ``GenerationResult``), complete once the iterator is
+        exhausted; ``close()``, or dropping the stream, stops decoding.
         """
-        started = time.perf_counter()
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-        )
-        pre = self.prefill(
-            segments,
-            strategy=strategy,
-            question=question,
-            chunks=chunks,
-            messages=messages,
-            known_chunks=known_chunks,
-            system_prompt=system_prompt,
-            chat_template=chat_template,
-            max_new_tokens=max_new_tokens,
-            on_miss=on_miss,
-            queue_misses=False,
-            **strategy_options,
-        )
-        out = pre.output
-        reused, recomputed, prefilled = pre.token_counts()
-        result = GenerationResult(
-            strategy=pre.strategy,
-            prompt_tokens=pre.prompt.num_tokens,
-            reused_tokens=reused,
-            recomputed_tokens=recomputed,
-            prefilled_tokens=prefilled,
-            reused_prefix_tokens=pre.reused_prefix_tokens,
-            reused_chunk_tokens=reused - pre.reused_prefix_tokens,
-            first_token_logits=out.logits,
-            lazily_encoded_chunks=pre.lazily_encoded_chunks,
-            fallback=pre.fallback,
-        )
+        return GenerationStream(*open_request(self, question, chunks, kwargs))
 
-        def pieces() -> Generator[str, None, None]:
-            # The engine's lock is taken per forward inside decode, never across a
-            # yield: a stream its consumer stopped reading blocks no other request.
-            try:
-                yield from decode(
-                    self.model,
-                    self.tokenizer,
-                    out.kv,
-                    out.logits,
-                    params,
-                    result,
-                    started,
-                    self.eos_token_ids,
-                    lock=self._lock,
-                )
-            finally:  # misses of a fallback: encoded once this request is answered
-                result.deferred_chunks = self.queue_deferred(pre)
+    def astream(
+        self, question: str | None = None, chunks: Sequence[str] | None = None, **kwargs: Any
+    ) -> AsyncGenerationStream:
+        """``stream`` for asyncio: ``async for piece in engine.astream(...)``.
 
-        return GenerationStream(pieces(), result)
+        The same worker and queue; awaiting a piece never blocks the event loop.
+        ``aclose()`` (or dropping the stream) stops decoding.
+        """
+        return AsyncGenerationStream(*open_request(self, question, chunks, kwargs))
 
     def generate(
         self,
@@ -574,7 +476,7 @@ class KVRAGEngine:
             chunks: retrieved chunk texts, in prompt order.
             **kwargs: ``segments`` or ``messages`` (with ``known_chunks``) instead of
                 question/chunks, ``strategy`` ("full", "turbo", "blend"),
-                ``system_prompt``, ``chat_template``, ``max_new_tokens``,
+                ``system_prompt``, ``chat_template``, ``max_new_tokens`` (256),
                 ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
                 ``stop``, ``stop_token_ids``, ``on_miss`` and strategy options (e.g.
                 ``positions="composite"`` for turbo).
@@ -582,16 +484,7 @@ class KVRAGEngine:
         Returns:
             A ``GenerationResult`` with text, TTFT and token accounting.
         """
-        stream = self.stream(question, chunks, **kwargs)
-        for _ in stream:
+        job, result = open_request(self, question, chunks, kwargs)
+        for _ in job(threading.Event()):  # a stream's work, run on this thread
             pass
-        return stream.result
-
-
-__all__ = ["Chunk", "ChunkRef", "GenerationStream", "KVRAGEngine", "PrefillResult", "Text"]
-
-
-def _check_on_miss(on_miss: str) -> str:
-    if on_miss not in ON_MISS:
-        raise ValueError(f"on_miss must be one of {ON_MISS}, got {on_miss!r}")
-    return on_miss
+        return result

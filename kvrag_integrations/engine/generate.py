@@ -1,136 +1,43 @@
-"""Decoding on top of any strategy's prompt cache: sampling, stops, streaming."""
+"""Decoding on top of any strategy's prompt cache: stops, incremental text, results."""
 
 from __future__ import annotations
 
-import math
-import numbers
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag_integrations.engine.forward import PromptKV
 
+# Sampling arguments and their checks live in sampling.py; imported from here too.
+from kvrag_integrations.engine.sampling import (
+    SAMPLING_ARGS,
+    SamplingParams,
+    check_int,
+    choose_token,
+    logits_processors,
+    sampling_params,
+)
 
-@dataclass
-class SamplingParams:
-    """How the next token is chosen. ``temperature=0`` means greedy.
+if TYPE_CHECKING:
+    from transformers import StopStringCriteria
 
-    Every check on sampling arguments lives here, and every entry point (engine,
-    adapters, command line) builds one before any forward: a bad value is a
-    ``TypeError`` (wrong type) or ``ValueError`` (out of range, NaN) naming the
-    argument. ``stop`` and ``stop_token_ids`` may be None (none) and are kept as
-    tuples.
-
-    Examples:
-        >>> SamplingParams(temperature=0.7, top_p=0.9).greedy
-        False
-        >>> SamplingParams(stop=None).stop
-        ()
-        >>> SamplingParams(temperature=float("nan"))
-        Traceback (most recent call last):
-        ...
-        ValueError: temperature must be a finite number >= 0, got nan
-    """
-
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: Sequence[str] | None = ()
-    stop_token_ids: Sequence[int] | None = ()
-
-    def __post_init__(self) -> None:
-        self.max_new_tokens = check_int("max_new_tokens", self.max_new_tokens, minimum=0)
-        self.top_k = check_int("top_k", self.top_k, minimum=0)
-        temperature = _real("temperature", self.temperature)
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-        top_p = _real("top_p", self.top_p)
-        if not 0 < top_p <= 1:  # False for NaN too
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        penalty = _real("repetition_penalty", self.repetition_penalty)
-        if not (math.isfinite(penalty) and penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty}")
-        self.temperature, self.top_p, self.repetition_penalty = temperature, top_p, penalty
-        if self.seed is not None:
-            self.seed = check_int("seed", self.seed)
-            try:
-                torch.Generator().manual_seed(self.seed)
-            except (RuntimeError, ValueError, OverflowError) as exc:
-                raise ValueError(f"seed {self.seed} is out of range: {exc}") from None
-        self.stop = _items("stop", self.stop, str)
-        self.stop_token_ids = tuple(
-            check_int("stop_token_ids", i, minimum=0)
-            for i in _items("stop_token_ids", self.stop_token_ids, int)
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-SAMPLING_ARGS = tuple(f.name for f in fields(SamplingParams))
-
-
-def sampling_params(options: dict[str, Any]) -> SamplingParams:
-    """The ``SamplingParams`` of a request's options (other keys are ignored).
-
-    Adapters call it when they merge a call's options, so that bad values fail
-    before any retrieval or forward.
-
-    Examples:
-        >>> sampling_params({"temperature": 0.5, "strategy": "turbo"}).temperature
-        0.5
-    """
-    return SamplingParams(**{k: options[k] for k in SAMPLING_ARGS if k in options})
-
-
-def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
-    """``value`` as an int (bools and floats refused), at least ``minimum``.
-
-    Examples:
-        >>> check_int("top_k", 2.5)
-        Traceback (most recent call last):
-        ...
-        TypeError: top_k must be an int, got float 2.5
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def _items(name: str, value: Any, kind: type) -> tuple[Any, ...]:
-    """A tuple of ``kind`` items from None (empty), one ``kind`` value or a sequence."""
-    if value is None:
-        return ()
-    if kind is str and isinstance(value, str):
-        return (value,)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be a list of {kind.__name__}, got {type(value).__name__}")
-    items = tuple(value)
-    for item in items:
-        bad = isinstance(item, bool) or not isinstance(item, kind)
-        if kind is int:
-            bad = isinstance(item, bool) or not isinstance(item, numbers.Integral)
-        if bad:
-            raise TypeError(
-                f"{name} must hold only {kind.__name__} values, got {type(item).__name__} {item!r}"
-            )
-    return items
+__all__ = [
+    "SAMPLING_ARGS",
+    "GenerationResult",
+    "SamplingParams",
+    "TextDecoder",
+    "check_int",
+    "choose_token",
+    "decode",
+    "logits_processors",
+    "sampling_params",
+    "stop_string_criteria",
+    "to_dynamic_cache",
+]
 
 
 @dataclass
@@ -148,7 +55,8 @@ class GenerationResult:
         generated_tokens: tokens decoded.
         prompt_tokens: all prompt tokens.
         strategy: the strategy's name.
-        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"``.
+        finish_reason: ``"stop"`` (EOS or stop string), ``"length"``, or
+            ``"cancelled"`` (the stream's consumer stopped reading).
         total_s: seconds for the whole request.
         token_ids: the generated ids.
         reused_prefix_tokens: the part of ``reused_tokens`` that is the prompt's
@@ -218,52 +126,98 @@ def layered_cache(
     return cache
 
 
-def choose_token(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    previous: Sequence[int] = (),
-) -> int:
-    """Pick the next token from ``[vocab]`` float32 logits."""
-    logits = logits.float().clone()
-    if params.repetition_penalty != 1.0 and previous:
-        seen = torch.tensor(sorted(set(previous)), device=logits.device)
-        vals = logits[seen]
-        logits[seen] = torch.where(
-            vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
-        )
-    if params.greedy:
-        return int(torch.argmax(logits).item())
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits[logits < kth] = float("-inf")
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) > params.top_p
-        logits[order[drop]] = float("-inf")
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+_CRITERIA: dict[tuple[int, tuple[str, ...]], tuple[Any, StopStringCriteria | None]] = {}
+_CRITERIA_LOCK = threading.Lock()
+
+
+def stop_string_criteria(tokenizer: Any, stops: Sequence[str]) -> StopStringCriteria | None:
+    """transformers' ``StopStringCriteria`` for ``stops``, built once per tokenizer.
+
+    Building one reads the whole vocabulary (~0.2 s for a 49k vocabulary), so
+    the last 64 are kept. None when there are no stop strings or transformers
+    cannot match one (a character the vocabulary cannot produce): the text
+    check alone then finds them.
+    """
+    stops = tuple(s for s in stops if s)
+    if not stops:
+        return None
+    key = (id(tokenizer), stops)
+    with _CRITERIA_LOCK:
+        held = _CRITERIA.get(key)
+    if held is not None and held[0] is tokenizer:
+        return held[1]
+    from transformers import StopStringCriteria
+
+    try:
+        criteria: StopStringCriteria | None = StopStringCriteria(tokenizer, list(stops))
+    except (ValueError, TypeError, AttributeError):
+        criteria = None
+    with _CRITERIA_LOCK:
+        while len(_CRITERIA) >= 64:
+            _CRITERIA.pop(next(iter(_CRITERIA)))
+        _CRITERIA[key] = (tokenizer, criteria)
+    return criteria
+
+
+class TextDecoder:
+    """Incremental detokenization: each token decodes a short window, not every id.
+
+    As in TGI and vLLM: the window starts at the previous emission's first
+    token (context for tokenizers that drop a leading space), and text is
+    emitted only once it does not end in an incomplete UTF-8 sequence (U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # ids up to here are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        """Add a token; return the new complete text (maybe empty)."""
+        self.ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the end)."""
+        return self._advance(final=True) if self._read < len(self.ids) else ""
+
+    def _advance(self, *, final: bool) -> str:
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
 
 
 class _StopScanner:
-    """Finds stop strings in streamed text, holding back what might start one."""
+    """Finds stop strings in streamed text, holding back what might start one.
+
+    No occurrence can start in text already emitted: text is emitted only when
+    no tail of it could begin a stop string (``safe_len``).
+    """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) - 1 for s in self.stops), default=0)
 
-    def cut(self, text: str) -> tuple[str, bool]:
-        """Return (text up to the first stop string, whether one was found)."""
-        hits = [text.find(s) for s in self.stops if s in text]
-        return (text[: min(hits)], True) if hits else (text, False)
+    def find(self, text: str, start: int = 0) -> int:
+        """Where the first stop string in ``text[start:]`` begins, or -1."""
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits, default=-1)
 
-    def safe_len(self, text: str) -> int:
+    def cut(self, text: str) -> str:
+        """``text`` up to its first stop string."""
+        at = self.find(text)
+        return text if at < 0 else text[:at]
+
+    def safe_len(self, text: str, emitted: int) -> int:
         """How much of ``text`` can be emitted without hiding a partial stop."""
-        if not self.stops:
-            return len(text)
-        for k in range(min(self.hold, len(text)), 0, -1):
+        for k in range(min(self.hold, len(text) - emitted), 0, -1):
             tail = text[-k:]
             if any(s.startswith(tail) for s in self.stops):
                 return len(text) - k
@@ -280,71 +234,80 @@ def decode(
     result: GenerationResult,
     started: float,
     eos_ids: Sequence[int],
-    lock: AbstractContextManager[Any] | None = None,
+    cancel: threading.Event | None = None,
 ) -> Iterator[str]:
     """Decode from a prompt cache, yielding text increments; fills ``result``.
 
-    ``result.ttft_s`` is set when the first token is chosen. ``lock`` (the
-    engine's) is held for each forward only, never across a ``yield``: a consumer
-    that stops reading holds nothing, and other requests' forwards interleave
-    with this one's steps (each request has its own cache, so answers do not
-    change).
+    The caller holds the forward lock (``LoadedModel.lock``) for the whole
+    iteration (the stream's worker thread does). ``result.ttft_s`` is set when
+    the first token is chosen. Sampling is transformers' logits processors
+    (``logits_processors``); a stop string ends decoding when transformers'
+    ``StopStringCriteria`` sees it complete at the token level, or when the
+    decoded text shows it (a tokenizer whose decoding rewrites text); the text
+    is cut where it starts. ``cancel`` set stops decoding before the next
+    forward (``finish_reason == "cancelled"``).
     """
     generator = None
     if params.seed is not None:
         generator = torch.Generator().manual_seed(params.seed)
+    processors = logits_processors(params)
     stops = set(eos_ids) | set(params.stop_token_ids)
     scanner = _StopScanner(params.stop)
+    criteria = stop_string_criteria(tokenizer, params.stop)
+    detok = TextDecoder(tokenizer)
     cache = None
     position = kv.next_position
     logits = first_logits
-    ids: list[int] = []
-    emitted = 0
+    ids = detok.ids
+    text, emitted = "", 0
     result.finish_reason = "length"
     for step in range(params.max_new_tokens):
-        token = choose_token(logits, params, generator, ids)
+        token = choose_token(logits, params, generator, ids, processors)
         if step == 0:
             result.ttft_s = time.perf_counter() - started
         if token in stops:
             result.finish_reason = "stop"
             break
-        ids.append(token)
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        text, hit = scanner.cut(text)
-        if hit:
+        text += detok.push(token)
+        hit = criteria is not None and bool(criteria(_tail(ids, criteria), None)[0])
+        if hit or scanner.find(text, emitted) >= 0:
             result.finish_reason = "stop"
-            if len(text) > emitted:
-                yield text[emitted:]
-            emitted = len(text)
             break
-        # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the next token.
-        ready = scanner.safe_len(text.rstrip("\ufffd"))
+        ready = scanner.safe_len(text, emitted)
         if ready > emitted:
             yield text[emitted:ready]
             emitted = ready
         if step + 1 == params.max_new_tokens:
             break
+        if cancel is not None and cancel.is_set():
+            result.finish_reason = "cancelled"
+            break
         if cache is None:
             cache = to_dynamic_cache(kv)
-        with lock if lock is not None else nullcontext():
-            out = lm(
-                input_ids=torch.tensor([[token]], device=lm.device),
-                position_ids=torch.tensor([[position]], device=lm.device),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        out = lm(
+            input_ids=torch.tensor([[token]], device=lm.device),
+            position_ids=torch.tensor([[position]], device=lm.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         position += 1
         logits = out.logits[0, -1]
-    else:
-        text = ""
     if params.max_new_tokens == 0:
         result.ttft_s = time.perf_counter() - started
-    final = tokenizer.decode(ids, skip_special_tokens=True)
-    final, _ = scanner.cut(final)
+    # One full decode at the end (the text every tokenizer agrees on); the
+    # streamed pieces are its prefix.
+    final = scanner.cut(tokenizer.decode(ids, skip_special_tokens=True))
+    if not final.startswith(text[:emitted]):  # a tokenizer decoding windows differently
+        final = scanner.cut(text + detok.flush())
     if len(final) > emitted:
         yield final[emitted:]
     result.text = final
-    result.token_ids = ids
+    result.token_ids = list(ids)
     result.generated_tokens = len(ids)
     result.total_s = time.perf_counter() - started
+
+
+def _tail(ids: list[int], criteria: StopStringCriteria) -> torch.Tensor:
+    """The last ids a stop string can span, as the ``[1, n]`` tensor criteria take."""
+    return torch.tensor([ids[-criteria.maximum_token_len :]], dtype=torch.long)

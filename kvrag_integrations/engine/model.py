@@ -16,7 +16,8 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,15 @@ def default_model_file() -> Path:
 
 @dataclass
 class LoadedModel:
-    """A causal LM, its tokenizer, what identifies them, and its layout for reuse."""
+    """A causal LM, its tokenizer, what identifies them, and its layout for reuse.
+
+    ``lock`` is the forward lock of these weights: every forward on ``model``
+    (a request's prefill and decoding, chunk encoding, background encoding,
+    reranking) holds it, so one forward runs at a time however many engines
+    share this ``LoadedModel`` (torch modules are not re-entrant across threads
+    on shared buffers, and interleaving would only slow each request down). It
+    is re-entrant: a request that encodes its missed chunks takes it again.
+    """
 
     model: Any
     tokenizer: Any
@@ -103,6 +112,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     layout: ModelLayout
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
 
 def load_model(

@@ -1,14 +1,19 @@
 """One engine per model in a process, visibly.
 
-Two registries, both process-wide:
-
-- the **shared engines**: one per ``(model, device, dtype)``, what adapters built
-  without an engine use (``KVRAGEngine.shared``). ``KVRAGEngine.from_pretrained``
-  registers the engine it loads here when none is registered for that model yet,
-  so ``engine = KVRAGEngine.from_pretrained()`` for ingestion followed by a
-  default ``KVRAGLLM()`` / ``ChatKVRAG()`` uses the same weights and store.
-- the **live engines** (weak references): a new engine whose weights have the
-  same fingerprint as a live engine's but are another copy (loaded twice) logs a
+- **Shared engines** (``SharedEngines``; the process's default instance is
+  ``shared_engines``, also ``kvrag_integrations.shared_engines``): what adapters
+  built without an engine use (``KVRAGEngine.shared``). An explicit object
+  with ``get``, ``register``, ``engines`` and ``reset``, keyed by everything
+  that makes engines differ: model, device, dtype and, when asked for, the
+  store (by identity) and the cache precision. ``KVRAGEngine.from_pretrained``
+  registers the engine it loads as the model's default (store and precision
+  not named) when none is registered yet, so ``engine =
+  KVRAGEngine.from_pretrained()`` for ingestion followed by a default
+  ``KVRAGLLM()`` / ``ChatKVRAG()`` uses the same weights and store. An engine
+  asked for with another store or precision is built on the weights already
+  loaded for that model (one copy of the weights, one forward lock).
+- **Live engines** (weak references): a new engine whose weights have the same
+  fingerprint as a live engine's but are another copy (loaded twice) logs a
   warning naming both: twice the memory, and two stores that don't see each
   other's caches. Engines built on the same ``LoadedModel`` (tests, several
   stores on one model) share the weights and are not warned about.
@@ -20,44 +25,132 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("kvrag_integrations.engine.engine")
 
-SharedKey = tuple[str, str, str]
+# (model, device, dtype, id(store) or None, cache precision or None)
+SharedKey = tuple[str, str, str, int | None, str | None]
 
-_SHARED: dict[SharedKey, Any] = {}
 _LOCK = threading.RLock()
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def shared_key(model: str | os.PathLike | None, device: Any, dtype: Any) -> SharedKey:
-    """The registry key of a model as named (None: the default model)."""
-    return (str(model), str(device), str(dtype))
+def shared_key(
+    model: str | os.PathLike | None,
+    device: Any,
+    dtype: Any,
+    store: Any = None,
+    cache_precision: str | None = None,
+) -> SharedKey:
+    """The key of a shared engine: the model as named (None: the default model),
+    device and dtype as given, the store's identity and the cache precision when
+    given (None: the model's default engine, whichever store it has)."""
+    store_id = None if store is None else id(store)
+    return (str(model), str(device), str(dtype), store_id, cache_precision)
 
 
-def get_or_load(key: SharedKey, load: Callable[[], Any]) -> Any:
-    """The shared engine under ``key``, loading (and registering) it on first use."""
-    with _LOCK:
-        if key not in _SHARED:
-            _SHARED[key] = load()
-        return _SHARED[key]
+class SharedEngines:
+    """Engines shared in a process, one per key (``shared_key``), loaded on first use.
+
+    ``kvrag_integrations.shared_engines`` is the instance ``KVRAGEngine.shared``
+    and the adapters use; tests can ``reset()`` it, and a server that wants its
+    own set of engines can make another.
+
+    Examples:
+        >>> from kvrag_integrations.engine.registry import SharedEngines
+        >>> engines = SharedEngines()
+        >>> engine = engines.get()  # the default model, loaded once  # doctest: +SKIP
+        >>> engines.get() is engine  # doctest: +SKIP
+        True
+        >>> engines.get(store=my_store).loaded is engine.loaded  # same weights  # doctest: +SKIP
+        True
+        >>> engines.reset()  # forget them all (they live on where still referenced)
+    """
+
+    def __init__(self) -> None:
+        self._engines: dict[SharedKey, Any] = {}
+        self._lock = threading.RLock()
+
+    def get(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        device: Any = "cpu",
+        dtype: Any = None,
+        store: Any = None,
+        cache_precision: str | None = None,
+    ) -> Any:
+        """The shared engine for these arguments, built on first use.
+
+        Without ``store`` and ``cache_precision``: the model's default engine.
+        With them: an engine with that store (the same object) and precision.
+        A new engine reuses the weights of any engine already shared for
+        ``(model, device, dtype)``, and loads them only if there is none.
+        """
+        key = shared_key(model, device, dtype, store, cache_precision)
+        with self._lock:
+            engine = self._engines.get(key)
+            if engine is not None and (store is None or engine.store is store):
+                return engine
+            engine = self._build(model, device, dtype, store, cache_precision)
+            self._engines[key] = engine
+            return engine
+
+    def _build(
+        self, model: Any, device: Any, dtype: Any, store: Any, cache_precision: str | None
+    ) -> Any:
+        from kvrag_integrations.engine.engine import KVRAGEngine
+
+        precision = cache_precision or "float16"
+        named = shared_key(model, device, dtype)[:3]
+        for key, engine in self._engines.items():
+            if key[:3] == named:  # the weights are loaded: one copy, one forward lock
+                return KVRAGEngine(engine.loaded, store=store, cache_precision=precision)
+        return KVRAGEngine.from_pretrained(
+            model, device=device, dtype=dtype, store=store, cache_precision=precision, share=False
+        )
+
+    def register(
+        self,
+        engine: Any,
+        model: str | os.PathLike | None = None,
+        *,
+        device: Any = "cpu",
+        dtype: Any = None,
+        replace: bool = False,
+    ) -> bool:
+        """Make ``engine`` the default engine of ``(model, device, dtype)``.
+
+        Returns False (and changes nothing) if one is registered and not ``replace``.
+        """
+        key = shared_key(model, device, dtype)
+        with self._lock:
+            if key in self._engines and not replace:
+                return False
+            self._engines[key] = engine
+            return True
+
+    def engines(self) -> dict[SharedKey, Any]:
+        """A copy of the registry: ``{shared_key(...): engine}``."""
+        with self._lock:
+            return dict(self._engines)
+
+    def reset(self, *keys: SharedKey) -> None:
+        """Forget the engines under ``keys`` (all of them if none are given).
+
+        The next ``get`` builds anew. Engines still referenced elsewhere keep
+        working; nothing is closed.
+        """
+        with self._lock:
+            if not keys:
+                self._engines.clear()
+            for key in keys:
+                self._engines.pop(key, None)
 
 
-def register_shared(key: SharedKey, engine: Any, *, replace: bool = False) -> bool:
-    """Make ``engine`` the shared engine for ``key`` (if none is, or ``replace``)."""
-    with _LOCK:
-        if key in _SHARED and not replace:
-            return False
-        _SHARED[key] = engine
-        return True
-
-
-def shared_engines() -> dict[SharedKey, Any]:
-    """A copy of the shared-engine registry: ``{(model, device, dtype): engine}``."""
-    with _LOCK:
-        return dict(_SHARED)
+shared_engines = SharedEngines()
+"""The process's shared engines: what ``KVRAGEngine.shared`` and default adapters use."""
 
 
 def note_engine(engine: Any) -> None:

@@ -1,8 +1,7 @@
-"""What the engine hands back: chunk references, prompt caches, streams."""
+"""What the engine hands back: chunk references and prompt caches (streams: streaming.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,33 +71,16 @@ class PrefillResult:
             start += n
         return self.output.token_counts(lazy)
 
-
-class GenerationStream:
-    """An iterator of text pieces; ``result`` holds the stats once it is exhausted.
-
-    Decoding takes the engine's lock for each forward only, so a consumer that
-    stops reading blocks no other request; ``close()`` (or the context manager)
-    frees the stream's prompt cache at once instead of at garbage collection.
-    """
-
-    def __init__(self, pieces: Iterator[str], result: GenerationResult) -> None:
-        self._pieces = pieces
-        self.result = result
-
-    def __iter__(self) -> Iterator[str]:
-        return self
-
-    def __next__(self) -> str:
-        return next(self._pieces)
-
-    def close(self) -> None:
-        """Stop decoding and drop the stream's prompt cache."""
-        close = getattr(self._pieces, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> GenerationStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def fill(self, result: GenerationResult) -> None:
+        """Copy the prefill's accounting into a request's ``GenerationResult``."""
+        reused, recomputed, prefilled = self.token_counts()
+        result.strategy = self.strategy
+        result.prompt_tokens = self.prompt.num_tokens
+        result.reused_tokens = reused
+        result.recomputed_tokens = recomputed
+        result.prefilled_tokens = prefilled
+        result.reused_prefix_tokens = self.reused_prefix_tokens
+        result.reused_chunk_tokens = reused - self.reused_prefix_tokens
+        result.first_token_logits = self.output.logits
+        result.lazily_encoded_chunks = self.lazily_encoded_chunks
+        result.fallback = self.fallback

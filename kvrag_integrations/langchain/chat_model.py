@@ -16,7 +16,6 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from kvrag_integrations.engine import GenerationResult, KVRAGEngine
 from kvrag_integrations.engine.generate import sampling_params
 from kvrag_integrations.errors import UnsupportedInputError
-from kvrag_integrations.langchain._aio import aiter_in_thread
 from kvrag_integrations.langchain.hooks import install_hooks
 from kvrag_integrations.langchain.messages import to_engine_messages
 
@@ -226,10 +225,23 @@ class ChatKVRAG(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         """Stream one call: text pieces, then an empty last chunk with usage and metadata."""
         engine, request = self.engine_request(messages, stop, **kwargs)
-        stream = engine.stream(**request)
-        for piece in stream:
-            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-        result = stream.result
+        with engine.stream(**request) as stream:  # stopped early: decoding stops
+            for piece in stream:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        yield self._last_chunk(engine, stream.result)
+
+    async def _achunks(
+        self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """``_chunks`` over the engine's ``astream`` (the event loop never blocks)."""
+        engine, request = self.engine_request(messages, stop, **kwargs)
+        async with engine.astream(**request) as stream:
+            async for piece in stream:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        yield self._last_chunk(engine, stream.result)
+
+    def _last_chunk(self, engine: KVRAGEngine, result: GenerationResult) -> ChatGenerationChunk:
+        """The empty last chunk, with usage and metadata."""
         self._last_result = result
         last = AIMessageChunk(
             content="",
@@ -237,7 +249,7 @@ class ChatKVRAG(BaseChatModel):
             response_metadata=_metadata(engine, result),
             chunk_position="last",
         )
-        yield ChatGenerationChunk(message=last)
+        return ChatGenerationChunk(message=last)
 
     # ------------------------------------------------------------- LangChain
     def _generate(
@@ -274,7 +286,7 @@ class ChatKVRAG(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        async for chunk in aiter_in_thread(lambda: self._chunks(messages, stop, kwargs)):
+        async for chunk in self._achunks(messages, stop, kwargs):
             yield chunk
 
     async def _agenerate(

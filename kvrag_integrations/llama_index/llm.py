@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,6 @@ from pydantic import Field, PrivateAttr
 from kvrag_integrations.engine.generate import sampling_params
 from kvrag_integrations.engine.strategies import make_strategy
 from kvrag_integrations.errors import UnsupportedInputError
-from kvrag_integrations.llama_index._aio import iterate_in_thread
 from kvrag_integrations.llama_index.hooks import install_hooks, known_chunks
 
 # LlamaIndex roles the chat template may not know, mapped to ones it does.
@@ -206,10 +204,15 @@ class KVRAGLLM(CustomLLM):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         return self._request([{"role": "user", "content": prompt}], kwargs, system=True)
 
-    def _open(self, request: _Request) -> Any:
-        """Prefill now (errors surface here) and return the engine's stream."""
+    def _open(self, request: _Request, *, asynchronous: bool = False) -> Any:
+        """Start the engine's stream (``astream`` if ``asynchronous``).
+
+        The request is checked and tokenized here (errors surface here); the
+        prefill and decoding run on the stream's worker thread.
+        """
         self._last_request = request
-        return self._engine.stream(
+        start = self._engine.astream if asynchronous else self._engine.stream
+        return start(
             messages=request.messages, known_chunks=request.known_chunks, **request.options
         )
 
@@ -219,12 +222,33 @@ class KVRAGLLM(CustomLLM):
         self._last_result = stream.result
         return text, stream.result.stats
 
+    async def _arun(self, request: _Request) -> tuple[str, dict[str, Any]]:
+        stream = self._open(request, asynchronous=True)
+        async with stream:
+            text = "".join([piece async for piece in stream])
+        self._last_result = stream.result
+        return text, stream.result.stats
+
     def _pieces(self, stream: Any) -> Iterator[tuple[str, str, dict[str, Any]]]:
-        """``(text so far, delta, stats)`` per piece, then a final ``delta=""`` with all stats."""
+        """``(text so far, delta, stats)`` per piece, then a final ``delta=""`` with all stats.
+
+        A consumer that stops early closes the stream: decoding stops.
+        """
         text = ""
-        for piece in stream:
-            text += piece
-            yield text, piece, stream.result.stats
+        with stream:
+            for piece in stream:
+                text += piece
+                yield text, piece, stream.result.stats
+        self._last_result = stream.result
+        yield text, "", stream.result.stats
+
+    async def _apieces(self, stream: Any) -> AsyncIterator[tuple[str, str, dict[str, Any]]]:
+        """``_pieces`` over the engine's ``astream`` (the event loop never blocks)."""
+        text = ""
+        async with stream:
+            async for piece in stream:
+                text += piece
+                yield text, piece, stream.result.stats
         self._last_result = stream.result
         yield text, "", stream.result.stats
 
@@ -232,8 +256,16 @@ class KVRAGLLM(CustomLLM):
         for text, delta, stats in self._pieces(stream):
             yield CompletionResponse(text=text, delta=delta, additional_kwargs=stats, raw=stats)
 
+    async def _acompletion_gen(self, stream: Any) -> CompletionResponseAsyncGen:
+        async for text, delta, stats in self._apieces(stream):
+            yield CompletionResponse(text=text, delta=delta, additional_kwargs=stats, raw=stats)
+
     def _chat_gen(self, stream: Any) -> ChatResponseGen:
         for text, delta, stats in self._pieces(stream):
+            yield _chat_response(text, stats, delta)
+
+    async def _achat_gen(self, stream: Any) -> ChatResponseAsyncGen:
+        async for text, delta, stats in self._apieces(stream):
             yield _chat_response(text, stats, delta)
 
     # ---------------------------------------------------------- completion
@@ -254,16 +286,15 @@ class KVRAGLLM(CustomLLM):
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        request = self._prompt_request(prompt, kwargs)
-        text, stats = await asyncio.to_thread(self._run, request)
+        text, stats = await self._arun(self._prompt_request(prompt, kwargs))
         return CompletionResponse(text=text, additional_kwargs=stats, raw=stats)
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        stream = await asyncio.to_thread(self._open, self._prompt_request(prompt, kwargs))
-        return iterate_in_thread(self._completion_gen(stream))
+        stream = self._open(self._prompt_request(prompt, kwargs), asynchronous=True)
+        return self._acompletion_gen(stream)
 
     # ---------------------------------------------------------------- chat
     @llm_chat_callback()
@@ -279,16 +310,15 @@ class KVRAGLLM(CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        request = self._chat_request(messages, kwargs)
-        text, stats = await asyncio.to_thread(self._run, request)
+        text, stats = await self._arun(self._chat_request(messages, kwargs))
         return _chat_response(text, stats)
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        stream = await asyncio.to_thread(self._open, self._chat_request(messages, kwargs))
-        return iterate_in_thread(self._chat_gen(stream))
+        stream = self._open(self._chat_request(messages, kwargs), asynchronous=True)
+        return self._achat_gen(stream)
 
 
 def _message_text(message: ChatMessage) -> str:

@@ -269,7 +269,7 @@ class KVReranker:
 
     # ------------------------------------------------------------- internals
     def _check_fits(self, n_tokens: int) -> None:
-        self.engine._check_fits(n_tokens, "a rerank prompt")
+        self.engine.check_fits(n_tokens, "a rerank prompt")
         windows = [w for w in self.engine.loaded.layout.windows if w is not None]
         window = min(windows, default=None)
         # Our explicit 4D mask is full attention; a sliding-window layer would see
@@ -294,7 +294,7 @@ class KVReranker:
         self.stats.prefixes_reused += fetched.reused
         self.stats.forward_s += fetched.encode_s
         self.stats.prefixes_encoded += len(missing)
-        device, dtype = self.engine.device, self.engine.loaded.dtype
+        device, dtype = self.engine.device, self.engine.dtype
         return [found[k].to(device, dtype) for k in keys]
 
     def _score_batches(
@@ -339,7 +339,7 @@ class KVReranker:
         prefix_lens = prefix_lens or [0] * len(ids)
         lm = self.engine.model
         device = self.engine.device
-        dtype = self.engine.loaded.dtype
+        dtype = self.engine.dtype
         batch, width = len(ids), max(t.numel() for t in ids)
         p_max = max(prefix_lens)
         lens = torch.tensor([t.numel() for t in ids])
@@ -370,7 +370,7 @@ class KVReranker:
             mask = mask[:, None].to(device)
         cache = self._batch_cache(kvs, p_max) if kvs is not None else None
         started = time.perf_counter()
-        with self.engine._lock:
+        with self.engine.exclusive():
             out = lm(
                 input_ids=input_ids.to(device),
                 position_ids=positions.to(device),

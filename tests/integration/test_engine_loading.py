@@ -25,7 +25,7 @@ def test_same_weights_loaded_twice_are_named_and_one_engine_is_shared(engine, ca
     from kvrag_integrations.engine import registry
 
     key = registry.shared_key(None, "cpu", "float32")
-    assert key not in registry.shared_engines()
+    assert key not in registry.shared_engines.engines()
     try:
         with caplog.at_level(logging.WARNING, logger="kvrag_integrations.engine.engine"):
             second = KVRAGEngine.from_pretrained(dtype="float32")
@@ -41,7 +41,7 @@ def test_same_weights_loaded_twice_are_named_and_one_engine_is_shared(engine, ca
             KVRAGEngine(engine.loaded, store=MemoryKVStore())  # same weights object: fine
         assert "loaded twice" not in caplog.text
     finally:
-        registry._SHARED.pop(key, None)
+        registry.shared_engines.reset(key)
 
 
 def test_exiting_with_background_encoding_in_flight_is_clean(tmp_path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -44,7 +43,7 @@ def ids(n: int, seed: int) -> torch.Tensor:
 
 def test_reads_what_is_stored_and_encodes_the_rest_once(loaded: LoadedModel) -> None:
     store = MemoryKVStore()
-    caches = ChunkCaches(loaded, store, threading.RLock(), suffix="")
+    caches = ChunkCaches(loaded, store, suffix="")
     a, b = ids(7, 1), ids(11, 2)
     space = "tiny|other-key-space"
     first = caches.fetch_or_encode(
@@ -66,7 +65,7 @@ def test_reads_what_is_stored_and_encodes_the_rest_once(loaded: LoadedModel) -> 
 
 
 def test_defaults_are_the_engines_chunk_caches(loaded: LoadedModel) -> None:
-    caches = ChunkCaches(loaded, MemoryKVStore(), threading.RLock(), precision="float16", suffix="")
+    caches = ChunkCaches(loaded, MemoryKVStore(), precision="float16", suffix="")
     t = ids(5, 3)
     fetched = caches.fetch_or_encode([t])
     (key,) = fetched.keys
