@@ -131,8 +131,11 @@ def run(
             chunk_share=0.0,
             f1_vs_peer=1.0,
         )
-        in_chunks = sum(
-            len(engine.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in chunks
+        # The chunks' tokens and the "\n\n" between them (the default user message's
+        # separator), which the engine reads with the chunk before it (chunk_suffix).
+        in_chunks = (
+            sum(len(engine.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in chunks)
+            + (len(chunks) - 1) * engine.caches.suffix_ids.numel()
         )
         for name, llm in ours.items():
             ttft, answer = _median_ttft(llm, text, repeats)

@@ -378,7 +378,7 @@ def attach_suffix(
                 rest = piece.text.removeprefix(suffix)
                 pieces.append(replace(piece, ids=piece.ids[k:], text=rest))
             continue
-        if piece.is_chunk and k:
+        if piece.is_chunk and piece.stored_ids is None and k:
             piece = replace(piece, stored_ids=torch.cat([piece.ids, suffix_ids]))
         pieces.append(piece)
     return TokenizedPrompt(pieces)

@@ -363,8 +363,10 @@ class KVRAGEngine:
         )
 
     def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
-        """Tokenize segments (each alone) into a prompt."""
-        return tokenize_segments(self.tokenizer, segments)
+        """Tokenize segments (each alone) into the prompt as turbo and blend read it:
+        each chunk piece points at its entry, and takes the chunk suffix after it
+        where the text continues with it (``ChunkCaches.attach_suffixes``)."""
+        return self.caches.attach_suffixes(tokenize_segments(self.tokenizer, segments))
 
     def check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
         """Raise ``ContextWindowExceededError`` naming ``what`` if ``n_tokens`` prompt

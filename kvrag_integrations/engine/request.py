@@ -100,7 +100,6 @@ def plan_prefill(engine: KVRAGEngine, request: Request) -> Callable[[], PrefillR
     strat, prompt, started = request.strategy, request.prompt, request.started
     if not strat.uses_chunk_caches:
         return partial(_run, engine, strat, prompt, [], set(), started)
-    prompt = engine.caches.attach_suffixes(prompt)
     cached = cache_leading_text(prompt) if engine.cache_prefix else prompt
     found, missing = engine.caches.lookup(cached)
     if request.on_miss == "defer" and any(not m.is_prefix for m in missing.values()):

@@ -58,9 +58,11 @@ def llm_texts(nodes: list[NodeWithScore]) -> list[str]:
 
 
 def chunk_tokens(engine: KVRAGEngine, nodes: list[NodeWithScore]) -> int:
-    return sum(
-        ref.num_tokens for ref in engine.encode_chunks(llm_texts(nodes), show_progress=False)
-    )
+    """The nodes' tokens, and the "\n\n" between them that LlamaIndex's templates
+    put in context_str: each is read with the chunk before it (the chunk suffix)."""
+    refs = engine.encode_chunks(llm_texts(nodes), show_progress=False)
+    between = max(len(nodes) - 1, 0) * engine.caches.suffix_ids.numel()
+    return sum(ref.num_tokens for ref in refs) + between
 
 
 def chunk_reuse(llm: KVRAGLLM) -> int:
