@@ -70,7 +70,9 @@ def test_two_chunk_prompt_reuses_cached_tokens(gemma: KVRAGEngine) -> None:
     result = gemma.generate(question="Who deciphered the hieroglyphs?", chunks=CHUNKS,
                             strategy="turbo", max_new_tokens=8)  # fmt: skip
     chunk_tokens = sum(r.num_tokens for r in refs)
-    chunk_tokens += gemma.caches.suffix_ids.numel()  # the "\n\n" between them, read with CHUNKS[0]
+    # Each chunk is followed by "\n\n" (between them, and before "Question:", which
+    # Gemma's tokenizer starts with the one "\n\n" token): read with the chunk.
+    chunk_tokens += 2 * gemma.caches.suffix_ids.numel()
     assert result.reused_tokens - result.reused_prefix_tokens == chunk_tokens
     assert result.recomputed_tokens == 0 and result.lazily_encoded_chunks == 0
     assert result.generated_tokens > 0
