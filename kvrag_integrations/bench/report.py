@@ -38,6 +38,7 @@ SECTIONS = [
     ("quality-refresh", quality, "CacheBlend on whole passages: check-layer refresh and sinks"),
     ("quality-agreement", quality, "CacheBlend: answer agreement with full as recompute nears 1"),
     ("quality-precision", quality, "Turbo from caches stored in each precision"),
+    ("quality-suffix", quality, "The chunk suffix read with its chunk, or computed per request"),
     ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
     ("cold", cold, "Cold requests (chunks not cached yet): never slower than no reuse"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
