@@ -12,21 +12,21 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import check_precision
-from kvrag_integrations.engine import registry
+from kvrag_integrations.engine import prompts, registry
 from kvrag_integrations.engine.background import BackgroundEncoder
 from kvrag_integrations.engine.chunk_caches import DEFAULT_CHUNK_SUFFIX, ChunkCaches
 from kvrag_integrations.engine.generate import GenerationResult
 from kvrag_integrations.engine.model import LoadedModel, load_model
 from kvrag_integrations.engine.request import (
     ON_MISS,
-    build_segments,
+    RequestOptions,
     check_on_miss,
     plan_prefill,
     prepare,
 )
 from kvrag_integrations.engine.results import ChunkRef, PrefillResult
+from kvrag_integrations.engine.sampling import SamplingParams
 from kvrag_integrations.engine.segments import (
-    DEFAULT_INSTRUCTION,
     Chunk,
     Segment,
     Text,
@@ -34,7 +34,7 @@ from kvrag_integrations.engine.segments import (
     tokenize_segments,
 )
 from kvrag_integrations.engine.spans import ChunkIndex
-from kvrag_integrations.engine.strategies import Strategy
+from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy
 from kvrag_integrations.engine.streaming import (
     AsyncGenerationStream,
     GenerationStream,
@@ -325,42 +325,9 @@ class KVRAGEngine:
         )
 
     # ------------------------------------------------------------- prompts
-    def build_segments(
-        self,
-        *,
-        question: str | None = None,
-        chunks: Sequence[str] | None = None,
-        segments: Sequence[Segment] | None = None,
-        messages: Sequence[dict[str, Any]] | None = None,
-        known_chunks: Sequence[str] = (),
-        system_prompt: str | None = None,
-        instruction: str = DEFAULT_INSTRUCTION,
-        chat_template: bool = True,
-    ) -> list[Segment]:
-        """The prompt as segments, with the chat template applied if asked.
-
-        Exactly one of:
-
-        - ``question`` (with optional ``chunks``): the default RAG layout;
-        - ``segments``: the user message (or, with ``chat_template=False``, the
-          whole prompt) as ``Text`` / ``Chunk`` segments;
-        - ``messages``: ``{"role", "content"}`` dicts whose content is a string
-          or a list of strings and segments. Strings are split where a known
-          chunk appears: one this engine has encoded, or one of ``known_chunks``
-          (``spans.message_segments``).
-        """
-        return build_segments(
-            self.tokenizer,
-            self.chunk_index,
-            question=question,
-            chunks=chunks,
-            segments=segments,
-            messages=messages,
-            known_chunks=known_chunks,
-            system_prompt=system_prompt,
-            instruction=instruction,
-            chat_template=chat_template,
-        )
+    # The prompt as segments, chat template applied (its arguments and checks:
+    # prompts.build_segments, which takes the engine as its first argument).
+    build_segments = prompts.build_segments
 
     def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
         """Tokenize segments (each alone) into the prompt as turbo and blend read it:
@@ -378,7 +345,7 @@ class KVRAGEngine:
         self,
         segments: Sequence[Segment] | None = None,
         *,
-        strategy: str | Strategy = "turbo",
+        strategy: str | Strategy = DEFAULT_STRATEGY,
         question: str | None = None,
         chunks: Sequence[str] | None = None,
         messages: Sequence[dict[str, Any]] | None = None,
@@ -401,19 +368,18 @@ class KVRAGEngine:
         (a stream does it when decoding ends, so the worker never takes the
         forward lock between a request's prefill and its first token).
         """
+        sampling = SamplingParams(max_new_tokens=max_new_tokens)
+        options = RequestOptions(strategy, strategy_options, sampling, on_miss)
         request = prepare(
             self,
+            options,
             segments=segments,
-            strategy=strategy,
             question=question,
             chunks=chunks,
             messages=messages,
             known_chunks=known_chunks,
             system_prompt=system_prompt,
             chat_template=chat_template,
-            max_new_tokens=max_new_tokens,
-            on_miss=on_miss,
-            **strategy_options,
         )
         pre = plan_prefill(self, request)()
         if queue_misses:
@@ -477,7 +443,7 @@ class KVRAGEngine:
             question: the user's question.
             chunks: retrieved chunk texts, in prompt order.
             **kwargs: ``segments`` or ``messages`` (with ``known_chunks``) instead of
-                question/chunks, ``strategy`` ("full", "turbo", "blend"),
+                question/chunks, ``strategy`` ("full", "turbo" (default), "blend"),
                 ``system_prompt``, ``chat_template``, ``max_new_tokens`` (256),
                 ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
                 ``stop``, ``stop_token_ids``, ``on_miss`` and strategy options (e.g.
