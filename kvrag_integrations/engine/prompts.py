@@ -32,8 +32,8 @@ logger = logging.getLogger("kvrag_integrations.engine.engine")
 _ROLE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 
 PROMPT_ARGS = ("segments", "messages", "known_chunks", "system_prompt", "chat_template")
-"""The keyword arguments of ``generate``/``stream``/``prefill`` that make the prompt
-(with ``question`` and ``chunks``); the others are the request's options."""
+"""The keyword arguments of ``generate`` / ``stream`` / ``astream`` that make the
+prompt (with ``question`` and ``chunks``); the others are its ``RequestOptions``."""
 
 
 def build_segments(
