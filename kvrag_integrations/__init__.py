@@ -8,6 +8,7 @@ Examples:
 
 from kvrag_integrations.engine import (
     CACHE_KEY_FIELD,
+    DEFAULT_STRATEGY,
     AsyncGenerationStream,
     Chunk,
     ChunkKV,
@@ -16,6 +17,7 @@ from kvrag_integrations.engine import (
     GenerationStream,
     KVRAGEngine,
     PrefillResult,
+    RequestOptions,
     SamplingParams,
     Strategy,
     Text,
@@ -46,6 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CACHE_KEY_FIELD",
+    "DEFAULT_STRATEGY",
     "AsyncGenerationStream",
     "CacheEntryError",
     "Chunk",
@@ -63,6 +66,7 @@ __all__ = [
     "MemoryKVStore",
     "PrefillResult",
     "RedisKVStore",
+    "RequestOptions",
     "SamplingParams",
     "SharedEngines",
     "StoreWriteError",

@@ -1,4 +1,5 @@
-"""The main job: a small RAG question over the bundled sample corpus, full vs turbo.
+"""The main job: a small RAG question over the bundled sample corpus, full vs turbo
+(the default strategy).
 
 Run it with ``python -m kvrag_integrations`` (add ``--help`` for options).
 """
@@ -15,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 from kvrag_integrations.engine.engine import KVRAGEngine
+from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 
 
 def load_sample_corpus() -> dict[str, Any]:
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\nQuestion: {question}  ({len(chunks)} retrieved passages)\n")
     rows = []
-    for strategy in ("full", "turbo"):
+    for strategy in ("full", DEFAULT_STRATEGY):
         runs = [
             engine.generate(question=question, chunks=chunks, strategy=strategy, max_new_tokens=32)
             for _ in range(max(1, args.repeats))

@@ -19,7 +19,7 @@ from kvrag_integrations.cli.common import (
 )
 from kvrag_integrations.engine.generate import SamplingParams
 from kvrag_integrations.engine.segments import check_text
-from kvrag_integrations.engine.strategies import STRATEGIES
+from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 _SOURCE_FIELD = "file_path"
 
@@ -39,7 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_chroma_options(parser)
     add_store_option(parser)
     add_model_options(parser)
-    parser.add_argument("--strategy", choices=list(STRATEGIES), default="blend")
+    parser.add_argument(
+        "--strategy",
+        choices=list(STRATEGIES),
+        default=DEFAULT_STRATEGY,
+        help=f"how the prompt cache is built (default: {DEFAULT_STRATEGY})",
+    )
     parser.add_argument(
         "--recompute-ratio",
         type=float,

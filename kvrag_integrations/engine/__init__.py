@@ -3,13 +3,20 @@
 from kvrag_integrations.chunk_kv import CACHE_KEY_FIELD, ChunkKV, cache_key
 from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.engine.generate import GenerationResult, SamplingParams
+from kvrag_integrations.engine.request import RequestOptions
 from kvrag_integrations.engine.results import ChunkRef, PrefillResult
 from kvrag_integrations.engine.segments import Chunk, Segment, Text
-from kvrag_integrations.engine.strategies import STRATEGIES, Strategy, make_strategy
+from kvrag_integrations.engine.strategies import (
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    Strategy,
+    make_strategy,
+)
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream
 
 __all__ = [
     "CACHE_KEY_FIELD",
+    "DEFAULT_STRATEGY",
     "STRATEGIES",
     "AsyncGenerationStream",
     "Chunk",
@@ -19,6 +26,7 @@ __all__ = [
     "GenerationStream",
     "KVRAGEngine",
     "PrefillResult",
+    "RequestOptions",
     "SamplingParams",
     "Segment",
     "Strategy",

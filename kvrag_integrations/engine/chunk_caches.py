@@ -1,11 +1,14 @@
-"""ChunkCaches: one model's chunk caches, encoded alone, stored and found for prompts."""
+"""ChunkCaches: one model's chunk caches, encoded alone, stored and found for prompts.
+
+What an entry holds and how a prompt points at it (``attach_suffix``, ``Miss``,
+``Fetched``, ``DEFAULT_CHUNK_SUFFIX``) is in ``engine.entries``, re-exported here.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -18,6 +21,7 @@ from kvrag_integrations.chunk_kv import (
     storage_fingerprint,
 )
 from kvrag_integrations.engine.chunks import encode_chunk_batch
+from kvrag_integrations.engine.entries import DEFAULT_CHUNK_SUFFIX, Fetched, Miss, attach_suffix
 from kvrag_integrations.engine.loader import ChunkLoader
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.results import ChunkRef
@@ -33,11 +37,6 @@ from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
 
-# Encoded after every chunk: the separator our prompts, LlamaIndex's and
-# LangChain's documented ones put between retrieved chunks. Its K/V then come
-# with the chunk's (TurboRAG stores each document with its own formatting)
-# instead of being computed per request at every chunk boundary.
-DEFAULT_CHUNK_SUFFIX = "\n\n"
 _NO_IDS = torch.zeros(0, dtype=torch.long)
 
 
@@ -354,55 +353,4 @@ class ChunkCaches:
         return self.on_device(prompt, found), set(missing)
 
 
-def attach_suffix(
-    prompt: TokenizedPrompt, suffix_ids: torch.Tensor, suffix: str = ""
-) -> TokenizedPrompt:
-    """Point each chunk piece at its entry (its ids, then ``suffix_ids``); where
-    the text after a chunk starts with ``suffix_ids``, those tokens move into the
-    chunk piece, so their K/V are read with the chunk's instead of computed."""
-    k = suffix_ids.numel()
-    pieces: list[Piece] = []
-    for piece in prompt.pieces:
-        prev = pieces[-1] if pieces else None
-        if (
-            k
-            and prev is not None
-            and prev.stored_ids is not None
-            and prev.ids.numel() < prev.stored_ids.numel()
-            and not piece.is_cached
-            and piece.ids.numel() >= k
-            and torch.equal(piece.ids[:k], suffix_ids)
-        ):
-            pieces[-1] = replace(prev, ids=prev.stored_ids)
-            if piece.ids.numel() > k:
-                rest = piece.text.removeprefix(suffix)
-                pieces.append(replace(piece, ids=piece.ids[k:], text=rest))
-            continue
-        if piece.is_chunk and piece.stored_ids is None and k:
-            piece = replace(piece, stored_ids=torch.cat([piece.ids, suffix_ids]))
-        pieces.append(piece)
-    return TokenizedPrompt(pieces)
-
-
-@dataclass(frozen=True)
-class Miss:
-    """A prompt chunk with no stored cache: its ids and the store it belongs in."""
-
-    ids: torch.Tensor
-    store: KVStore
-    is_prefix: bool = False
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """What ``ChunkCaches.fetch_or_encode`` found and encoded."""
-
-    keys: list[str]  # one per input ids, in order
-    caches: dict[str, ChunkKV]  # every input's cache, by key (storage form)
-    encoded: list[str]  # distinct keys encoded and stored by this call
-    encode_s: float  # seconds in encoding forwards
-
-    @property
-    def reused(self) -> int:
-        """Distinct caches read from the store."""
-        return len(self.caches) - len(self.encoded)
+__all__ = ["DEFAULT_CHUNK_SUFFIX", "ChunkCaches", "Fetched", "Miss", "attach_suffix"]

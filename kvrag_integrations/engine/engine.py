@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -12,21 +11,21 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import check_precision
-from kvrag_integrations.engine import registry
+from kvrag_integrations.engine import prompts, registry
 from kvrag_integrations.engine.background import BackgroundEncoder
 from kvrag_integrations.engine.chunk_caches import DEFAULT_CHUNK_SUFFIX, ChunkCaches
 from kvrag_integrations.engine.generate import GenerationResult
-from kvrag_integrations.engine.model import LoadedModel, load_model
+from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.request import (
     ON_MISS,
-    build_segments,
+    RequestOptions,
     check_on_miss,
     plan_prefill,
     prepare,
 )
 from kvrag_integrations.engine.results import ChunkRef, PrefillResult
+from kvrag_integrations.engine.sampling import SamplingParams
 from kvrag_integrations.engine.segments import (
-    DEFAULT_INSTRUCTION,
     Chunk,
     Segment,
     Text,
@@ -34,7 +33,7 @@ from kvrag_integrations.engine.segments import (
     tokenize_segments,
 )
 from kvrag_integrations.engine.spans import ChunkIndex
-from kvrag_integrations.engine.strategies import Strategy
+from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy
 from kvrag_integrations.engine.streaming import (
     AsyncGenerationStream,
     GenerationStream,
@@ -57,8 +56,11 @@ __all__ = [
 ]
 
 
-class KVRAGEngine:
+class KVRAGEngine(registry.EngineLoading):
     """Generates answers over retrieved chunks, reusing their precomputed KV caches.
+
+    ``from_pretrained`` loads a model and ``shared`` finds the process's shared
+    engine (``registry.EngineLoading``).
 
     Examples:
         >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
@@ -126,85 +128,6 @@ class KVRAGEngine:
         store = type(self.caches.store).__name__
         return f"<KVRAGEngine {self.loaded.name} on {self.device}, {store} at {id(self):#x}>"
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        model: str | os.PathLike | None = None,
-        *,
-        device: str | torch.device | None = "cpu",
-        dtype: str | torch.dtype | None = None,
-        store: KVStore | None = None,
-        adapter: str | os.PathLike | None = None,
-        trust_remote_code: bool = False,
-        attn_implementation: str | None = None,
-        share: bool | None = None,
-        cache_precision: str = "float16",
-        **engine_options: Any,
-    ) -> KVRAGEngine:
-        """Load a model (HF id, local path, ``.gguf`` file; None = bundled SmolLM2).
-
-        Args:
-            model: what to load; None for the default SmolLM2-135M-Instruct.
-            device: ``"cpu"``, ``"cuda"``, ``"auto"``.
-            dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"``.
-            store: where chunk caches live (default: an in-memory LRU).
-            adapter: a PEFT adapter directory to merge (its caches get their own
-                fingerprint).
-            trust_remote_code: passed to transformers.
-            attn_implementation: ``"sdpa"`` or ``"eager"``; None picks what the model
-                supports (reuse strategies need one of these two).
-            share: register the engine as the process's default shared engine for
-                ``(model, device, dtype)`` in ``registry.shared_engines`` (what
-                ``KVRAGEngine.shared`` and adapters built without an engine use):
-                ``None`` (default) if none is registered yet, ``True`` replacing
-                any, ``False`` never. An engine with an adapter is never
-                registered by default.
-            cache_precision: how chunk caches are stored: ``"float16"`` (default),
-                ``"bfloat16"``, ``"int8"`` or ``"model"`` (full precision); see
-                ``KVRAGEngine``.
-            **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending``, ``chunk_suffix`` (see
-                ``KVRAGEngine``).
-        """
-        loaded = load_model(
-            model,
-            device=device,
-            dtype=dtype,
-            adapter=adapter,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
-        )
-        engine = cls(loaded, store=store, cache_precision=cache_precision, **engine_options)
-        if share or (share is None and adapter is None):
-            registry.shared_engines.register(
-                engine, model, device=device, dtype=dtype, replace=bool(share)
-            )
-        return engine
-
-    @classmethod
-    def shared(
-        cls,
-        model: str | os.PathLike | None = None,
-        *,
-        device: str | torch.device | None = "cpu",
-        dtype: str | torch.dtype | None = None,
-        store: KVStore | None = None,
-        cache_precision: str | None = None,
-    ) -> KVRAGEngine:
-        """The process's shared engine for these arguments, loaded on first use.
-
-        Adapters built without an engine (``KVRAGLLM()``, ``ChatKVRAG(model=...)``)
-        use it, so that every instance shares one copy of the weights and one
-        store. The first ``from_pretrained`` of a model registers itself as the
-        model's default here, so an engine loaded for ingestion is the one a
-        default adapter finds. With ``store`` or ``cache_precision``, the shared
-        engine with that store and precision (on the same weights). Delegates
-        to ``kvrag_integrations.shared_engines`` (``registry.SharedEngines``),
-        whose ``reset()`` forgets them.
-        """
-        return registry.shared_engines.get(
-            model, device=device, dtype=dtype, store=store, cache_precision=cache_precision
-        )
-
     # ----------------------------------------------------------------- facts
     @property
     def fingerprint(self) -> str:
@@ -247,19 +170,13 @@ class KVRAGEngine:
 
     @property
     def context_window(self) -> int:
-        config = self.model.config
-        return int(getattr(config, "max_position_embeddings", 0) or 2048)
+        """``loaded.context_window``: the most prompt and answer tokens."""
+        return self.loaded.context_window
 
     @property
     def eos_token_ids(self) -> list[int]:
-        ids = set()
-        for source in (self.model.generation_config, self.model.config, self.tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(int(v) for v in value)
-        return sorted(ids)
+        """``loaded.eos_token_ids``: the ids that end an answer."""
+        return self.loaded.eos_token_ids
 
     # -------------------------------------------------------------- chunks
     @property
@@ -325,42 +242,9 @@ class KVRAGEngine:
         )
 
     # ------------------------------------------------------------- prompts
-    def build_segments(
-        self,
-        *,
-        question: str | None = None,
-        chunks: Sequence[str] | None = None,
-        segments: Sequence[Segment] | None = None,
-        messages: Sequence[dict[str, Any]] | None = None,
-        known_chunks: Sequence[str] = (),
-        system_prompt: str | None = None,
-        instruction: str = DEFAULT_INSTRUCTION,
-        chat_template: bool = True,
-    ) -> list[Segment]:
-        """The prompt as segments, with the chat template applied if asked.
-
-        Exactly one of:
-
-        - ``question`` (with optional ``chunks``): the default RAG layout;
-        - ``segments``: the user message (or, with ``chat_template=False``, the
-          whole prompt) as ``Text`` / ``Chunk`` segments;
-        - ``messages``: ``{"role", "content"}`` dicts whose content is a string
-          or a list of strings and segments. Strings are split where a known
-          chunk appears: one this engine has encoded, or one of ``known_chunks``
-          (``spans.message_segments``).
-        """
-        return build_segments(
-            self.tokenizer,
-            self.chunk_index,
-            question=question,
-            chunks=chunks,
-            segments=segments,
-            messages=messages,
-            known_chunks=known_chunks,
-            system_prompt=system_prompt,
-            instruction=instruction,
-            chat_template=chat_template,
-        )
+    # The prompt as segments, chat template applied (its arguments and checks:
+    # prompts.build_segments, which takes the engine as its first argument).
+    build_segments = prompts.build_segments
 
     def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
         """Tokenize segments (each alone) into the prompt as turbo and blend read it:
@@ -378,7 +262,7 @@ class KVRAGEngine:
         self,
         segments: Sequence[Segment] | None = None,
         *,
-        strategy: str | Strategy = "turbo",
+        strategy: str | Strategy = DEFAULT_STRATEGY,
         question: str | None = None,
         chunks: Sequence[str] | None = None,
         messages: Sequence[dict[str, Any]] | None = None,
@@ -401,19 +285,18 @@ class KVRAGEngine:
         (a stream does it when decoding ends, so the worker never takes the
         forward lock between a request's prefill and its first token).
         """
+        sampling = SamplingParams(max_new_tokens=max_new_tokens)
+        options = RequestOptions(strategy, strategy_options, sampling, on_miss)
         request = prepare(
             self,
+            options,
             segments=segments,
-            strategy=strategy,
             question=question,
             chunks=chunks,
             messages=messages,
             known_chunks=known_chunks,
             system_prompt=system_prompt,
             chat_template=chat_template,
-            max_new_tokens=max_new_tokens,
-            on_miss=on_miss,
-            **strategy_options,
         )
         pre = plan_prefill(self, request)()
         if queue_misses:
@@ -477,7 +360,7 @@ class KVRAGEngine:
             question: the user's question.
             chunks: retrieved chunk texts, in prompt order.
             **kwargs: ``segments`` or ``messages`` (with ``known_chunks``) instead of
-                question/chunks, ``strategy`` ("full", "turbo", "blend"),
+                question/chunks, ``strategy`` ("full", "turbo" (default), "blend"),
                 ``system_prompt``, ``chat_template``, ``max_new_tokens`` (256),
                 ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
                 ``stop``, ``stop_token_ids``, ``on_miss`` and strategy options (e.g.

@@ -114,6 +114,23 @@ class LoadedModel:
     layout: ModelLayout
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
+    @property
+    def context_window(self) -> int:
+        """The most tokens a prompt and its answer may hold (2048 if the config is silent)."""
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 2048)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every end-of-sequence id the generation config, config or tokenizer names."""
+        ids = set()
+        for source in (self.model.generation_config, self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return sorted(ids)
+
 
 def load_model(
     model: str | os.PathLike | None = None,

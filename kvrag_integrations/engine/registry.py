@@ -17,6 +17,9 @@
   warning naming both: twice the memory, and two stores that don't see each
   other's caches. Engines built on the same ``LoadedModel`` (tests, several
   stores on one model) share the weights and are not warned about.
+- **Loading** (``EngineLoading``, a base of ``KVRAGEngine``): its
+  ``from_pretrained`` (load, and register as the model's default) and
+  ``shared`` (the registered engine) classmethods.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrag_integrations.engine.engine import KVRAGEngine
+    from kvrag_integrations.store import KVStore
 
 logger = logging.getLogger("kvrag_integrations.engine.engine")
 
@@ -186,3 +195,86 @@ def prefetch(texts: list[str]) -> None:
             engine.prefetch(texts)
         except Exception:  # a hint only: a failed prefetch must not fail retrieval
             logger.debug("prefetch failed", exc_info=True)
+
+
+class EngineLoading:
+    """How engines come from a model name: ``KVRAGEngine``'s loading classmethods."""
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike | None = None,
+        *,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = None,
+        store: KVStore | None = None,
+        adapter: str | os.PathLike | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+        share: bool | None = None,
+        cache_precision: str = "float16",
+        **engine_options: Any,
+    ) -> KVRAGEngine:
+        """Load a model (HF id, local path, ``.gguf`` file; None = bundled SmolLM2).
+
+        Args:
+            model: what to load; None for the default SmolLM2-135M-Instruct.
+            device: ``"cpu"``, ``"cuda"``, ``"auto"``.
+            dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"``.
+            store: where chunk caches live (default: an in-memory LRU).
+            adapter: a PEFT adapter directory to merge (its caches get their own
+                fingerprint).
+            trust_remote_code: passed to transformers.
+            attn_implementation: ``"sdpa"`` or ``"eager"``; None picks what the model
+                supports (reuse strategies need one of these two).
+            share: register the engine as the process's default shared engine for
+                ``(model, device, dtype)`` in ``registry.shared_engines`` (what
+                ``KVRAGEngine.shared`` and adapters built without an engine use):
+                ``None`` (default) if none is registered yet, ``True`` replacing
+                any, ``False`` never. An engine with an adapter is never
+                registered by default.
+            cache_precision: how chunk caches are stored: ``"float16"`` (default),
+                ``"bfloat16"``, ``"int8"`` or ``"model"`` (full precision); see
+                ``KVRAGEngine``.
+            **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending``, ``chunk_suffix`` (see
+                ``KVRAGEngine``).
+        """
+        from kvrag_integrations.engine.model import load_model
+
+        loaded = load_model(
+            model,
+            device=device,
+            dtype=dtype,
+            adapter=adapter,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
+        engine = cls(loaded, store=store, cache_precision=cache_precision, **engine_options)
+        if share or (share is None and adapter is None):
+            shared_engines.register(engine, model, device=device, dtype=dtype, replace=bool(share))
+        return engine  # type: ignore[return-value]
+
+    @classmethod
+    def shared(
+        cls,
+        model: str | os.PathLike | None = None,
+        *,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = None,
+        store: KVStore | None = None,
+        cache_precision: str | None = None,
+    ) -> KVRAGEngine:
+        """The process's shared engine for these arguments, loaded on first use.
+
+        Adapters built without an engine (``KVRAGLLM()``, ``ChatKVRAG(model=...)``)
+        use it, so that every instance shares one copy of the weights and one
+        store. The first ``from_pretrained`` of a model registers itself as the
+        model's default here, so an engine loaded for ingestion is the one a
+        default adapter finds. With ``store`` or ``cache_precision``, the shared
+        engine with that store and precision (on the same weights). Delegates
+        to ``kvrag_integrations.shared_engines`` (``registry.SharedEngines``),
+        whose ``reset()`` forgets them.
+        """
+        return shared_engines.get(
+            model, device=device, dtype=dtype, store=store, cache_precision=cache_precision
+        )

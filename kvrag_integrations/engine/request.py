@@ -1,5 +1,8 @@
-"""A request's path to its prompt cache: checked and tokenized, caches read, prefill run.
+"""A request's path to its prompt cache: options merged, checked and tokenized, caches read.
 
+``RequestOptions`` is how a request is answered (strategy and its options,
+sampling, miss policy) and the one place where a call's options are merged
+with defaults: the engine's own, or an adapter's instance settings.
 ``prepare`` checks every argument and tokenizes the prompt (on the caller's
 thread, so a bad request fails where it is made); ``plan_prefill`` reads the
 prompt's chunk caches (no lock: disk and Redis reads overlap other requests'
@@ -8,38 +11,105 @@ forwards) and returns the prefill forward, run under the weights' forward lock.
 
 from __future__ import annotations
 
-import logging
-import re
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvrag_integrations.engine.chat_template import Message, render_chat
 from kvrag_integrations.engine.results import PrefillResult
-from kvrag_integrations.engine.sampling import check_int
-from kvrag_integrations.engine.segments import (
-    DEFAULT_INSTRUCTION,
-    Chunk,
-    Segment,
-    Text,
-    TokenizedPrompt,
-    cache_leading_text,
-    check_text,
-    rag_user_segments,
-)
-from kvrag_integrations.engine.spans import ChunkIndex, message_segments
-from kvrag_integrations.engine.strategies import Strategy, make_strategy
+from kvrag_integrations.engine.sampling import SAMPLING_ARGS, SamplingParams
+from kvrag_integrations.engine.segments import Segment, TokenizedPrompt, cache_leading_text
+from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
 
 if TYPE_CHECKING:
     from kvrag_integrations.engine.engine import KVRAGEngine
 
-logger = logging.getLogger("kvrag_integrations.engine.engine")
-
-_ROLE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
-
 ON_MISS = ("defer", "encode")
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How one request is answered: its strategy (with options), sampling and miss policy.
+
+    ``RequestOptions()`` holds the engine's defaults. Everything that answers
+    requests merges into them with ``merged``: the engine a call's keywords, an
+    adapter its instance settings and then each call's options, having
+    translated its framework's names (LangChain's ``max_tokens``, ...) to the
+    engine's. Every instance is checked when made, before any retrieval or
+    forward: a bad sampling value raises ``TypeError`` or ``ValueError`` naming
+    the argument (``SamplingParams``), an unknown strategy
+    ``UnknownStrategyError``, an option the strategy does not take
+    ``TypeError`` (``make_strategy``), a bad ``on_miss`` ``ValueError``.
+    ``on_miss=None`` is the engine's own policy.
+
+    Examples:
+        >>> blend = RequestOptions().merged(
+        ...     {"strategy": "blend", "strategy_options": {"recompute_ratio": 0.3}}
+        ... )
+        >>> blend.merged({"temperature": 0.5}).strategy_options
+        {'recompute_ratio': 0.3}
+        >>> blend.merged({"strategy": "turbo"}).strategy_options  # not blend's options
+        {}
+        >>> blend.merged({"check_layer": 2}).as_kwargs()["check_layer"]
+        2
+        >>> RequestOptions().merged({"top_p": 0.0})
+        Traceback (most recent call last):
+        ...
+        ValueError: top_p must be in (0, 1], got 0.0
+    """
+
+    strategy: str | Strategy = DEFAULT_STRATEGY
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    on_miss: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
+        if self.on_miss is not None:
+            check_on_miss(self.on_miss)
+        object.__setattr__(self, "strategy_options", _option_dict(self.strategy_options))
+        make_strategy(self.strategy, **self.strategy_options)
+
+    def merged(self, call: Mapping[str, Any]) -> RequestOptions:
+        """These options overridden by ``call`` (the engine's argument names).
+
+        ``strategy``, ``on_miss`` and the sampling arguments (``SAMPLING_ARGS``)
+        replace their values (None too: an adapter whose framework means "not
+        given" by None leaves the key out). ``strategy_options`` (a mapping;
+        None: none given) and every other key are strategy options: they update
+        the inherited ones, which are these options' when ``call`` keeps this
+        strategy and none when it names another (a default's options belong to
+        the default's strategy).
+        """
+        call = dict(call)
+        given = call.pop("strategy_options", None)
+        sampling = {name: call.pop(name) for name in SAMPLING_ARGS if name in call}
+        changed = {name: call.pop(name) for name in ("strategy", "on_miss") if name in call}
+        sampling_params = replace(self.sampling, **sampling)  # sampling is checked first
+        strategy = changed.get("strategy", self.strategy)
+        options = dict(self.strategy_options) if strategy == self.strategy else {}
+        options.update(_option_dict(given) if given is not None else {})
+        options.update(call)  # what is left: strategy options passed as keywords
+        return replace(self, **changed, strategy_options=options, sampling=sampling_params)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``engine.generate`` / ``stream`` / ``astream``:
+        the strategy, its options as keywords, the sampling arguments and ``on_miss``."""
+        kwargs: dict[str, Any] = {"strategy": self.strategy, **self.strategy_options}
+        kwargs.update({name: getattr(self.sampling, name) for name in SAMPLING_ARGS})
+        kwargs["on_miss"] = self.on_miss
+        return kwargs
+
+
+def _option_dict(options: Any) -> dict[str, Any]:
+    """``strategy_options`` as a new dict; anything but a mapping is a ``TypeError``."""
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"strategy_options must be a mapping of option names, got {type(options).__name__}"
+        )
+    return dict(options)
 
 
 @dataclass
@@ -60,10 +130,8 @@ def check_on_miss(on_miss: str) -> str:
 
 def prepare(
     engine: KVRAGEngine,
+    options: RequestOptions,
     *,
-    strategy: str | Strategy = "turbo",
-    max_new_tokens: int = 0,
-    on_miss: str | None = None,
     segments: Sequence[Segment] | None = None,
     question: str | None = None,
     chunks: Sequence[str] | None = None,
@@ -71,12 +139,10 @@ def prepare(
     known_chunks: Sequence[str] = (),
     system_prompt: str | None = None,
     chat_template: bool = True,
-    **strategy_options: Any,
 ) -> Request:
-    """Check a request and tokenize its prompt (no store read, no forward)."""
+    """Tokenize a request's prompt (no store read, no forward); ``options`` are checked."""
     started = time.perf_counter()
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
-    strat = make_strategy(strategy, **strategy_options)
+    strat = make_strategy(options.strategy, **options.strategy_options)
     segs = engine.build_segments(
         question=question,
         chunks=chunks,
@@ -89,8 +155,8 @@ def prepare(
     prompt = engine.tokenize(segs)
     if prompt.num_tokens == 0:
         raise ValueError("the prompt is empty")
-    engine.check_fits(prompt.num_tokens, "the prompt", max_new_tokens)
-    on_miss = engine.on_miss if on_miss is None else check_on_miss(on_miss)
+    engine.check_fits(prompt.num_tokens, "the prompt", options.sampling.max_new_tokens)
+    on_miss = engine.on_miss if options.on_miss is None else options.on_miss
     return Request(strat, prompt, on_miss, started)
 
 
@@ -132,61 +198,3 @@ def _run(
     if misses is not None:  # uncached chunks: answered by plain prefill
         pre.fallback, pre.misses = "uncached", misses
     return pre
-
-
-def build_segments(
-    tokenizer: Any,
-    chunk_index: ChunkIndex,
-    *,
-    question: str | None = None,
-    chunks: Sequence[str] | None = None,
-    segments: Sequence[Segment] | None = None,
-    messages: Sequence[dict[str, Any]] | None = None,
-    known_chunks: Sequence[str] = (),
-    system_prompt: str | None = None,
-    instruction: str = DEFAULT_INSTRUCTION,
-    chat_template: bool = True,
-) -> list[Segment]:
-    """``KVRAGEngine.build_segments`` (``chunk_index`` finds chunks in strings)."""
-    if sum(x is not None for x in (question, segments, messages)) != 1:
-        raise ValueError("pass exactly one of question (with chunks), segments or messages")
-    if chunks is not None and question is None:
-        raise ValueError("chunks go with question; use segments or messages otherwise")
-    if isinstance(chunks, str):
-        raise TypeError("chunks must be a list of strings, not one string")
-    chat: list[Message] = []
-    if system_prompt is not None:
-        chat.append(("system", [Text(check_text(system_prompt, "system_prompt"))]))
-    if messages is not None:
-        chat += [_message(m, chunk_index, known_chunks) for m in messages]
-    elif segments is not None:
-        bad = [type(x).__name__ for x in segments if not isinstance(x, (Text, Chunk))]
-        if bad:
-            raise TypeError(f"segments must be Text or Chunk, got {bad[0]}")
-        chat.append(("user", list(segments)))
-    else:
-        chat.append(("user", rag_user_segments(question, list(chunks or []), instruction)))
-    if chat_template and not getattr(tokenizer, "chat_template", None):
-        logger.info("tokenizer has no chat template; using the plain prompt")
-        chat_template = False
-    if chat_template:
-        return render_chat(tokenizer, chat)
-    flat: list[Segment] = []
-    for role, content in chat:
-        flat += content
-        if role == "system":
-            flat.append(Text("\n\n"))
-    return flat
-
-
-def _message(
-    message: dict[str, Any], chunk_index: ChunkIndex, known_chunks: Sequence[str]
-) -> Message:
-    if not isinstance(message, dict) or "role" not in message or "content" not in message:
-        raise TypeError('each message must be a dict with "role" and "content"')
-    role = message["role"]
-    if not isinstance(role, str):
-        raise TypeError(f"a message role must be a str, got {type(role).__name__}")
-    if not _ROLE_RE.fullmatch(role):  # the template writes roles as markup
-        raise ValueError(f"a message role must be a plain name like 'user', got {role!r}")
-    return role, message_segments(message["content"], chunk_index, known_chunks)

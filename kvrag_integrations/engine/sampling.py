@@ -80,8 +80,8 @@ SAMPLING_ARGS = tuple(f.name for f in fields(SamplingParams))
 def sampling_params(options: dict[str, Any]) -> SamplingParams:
     """The ``SamplingParams`` of a request's options (other keys are ignored).
 
-    Adapters call it when they merge a call's options, so that bad values fail
-    before any retrieval or forward.
+    Adapters merge a call's options with ``request.RequestOptions``, which
+    checks these values (and the strategy) before any retrieval or forward.
 
     Examples:
         >>> sampling_params({"temperature": 0.5, "strategy": "turbo"}).temperature

@@ -30,8 +30,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvrag_integrations.engine.generate import GenerationResult, decode
-from kvrag_integrations.engine.request import Request, plan_prefill, prepare
-from kvrag_integrations.engine.sampling import SAMPLING_ARGS, SamplingParams
+from kvrag_integrations.engine.prompts import PROMPT_ARGS
+from kvrag_integrations.engine.request import Request, RequestOptions, plan_prefill, prepare
+from kvrag_integrations.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvrag_integrations.engine.engine import KVRAGEngine
@@ -99,15 +100,14 @@ def open_request(
     chunks: Sequence[str] | None,
     kwargs: dict[str, Any],
 ) -> tuple[Job, GenerationResult]:
-    """Check a request (sampling arguments first, then the prompt) and return
-    the work a stream's worker runs, with the result that work fills."""
-    kwargs = {"max_new_tokens": 256, **kwargs}
-    params = SamplingParams(**{k: kwargs.pop(k) for k in SAMPLING_ARGS if k in kwargs})
-    request = prepare(
-        engine, question=question, chunks=chunks, max_new_tokens=params.max_new_tokens, **kwargs
-    )
+    """Check a request (its options first: ``RequestOptions``, then the prompt)
+    and return the work a stream's worker runs, with the result that work fills."""
+    kwargs = dict(kwargs)
+    prompt = {name: kwargs.pop(name) for name in PROMPT_ARGS if name in kwargs}
+    options = RequestOptions().merged(kwargs)
+    request = prepare(engine, options, question=question, chunks=chunks, **prompt)
     result = GenerationResult()
-    return partial(answer, engine, request, params, result), result
+    return partial(answer, engine, request, options.sampling, result), result
 
 
 def answer(

@@ -14,7 +14,9 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag_integrations.engine import GenerationResult, KVRAGEngine
-from kvrag_integrations.engine.generate import sampling_params
+from kvrag_integrations.engine.prompts import PROMPT_ARGS
+from kvrag_integrations.engine.request import RequestOptions
+from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain.hooks import install_hooks
 from kvrag_integrations.langchain.messages import to_engine_messages
@@ -44,8 +46,9 @@ class ChatKVRAG(BaseChatModel):
             so that every instance built from one model name shares its weights.
         model: HF id, local directory or ``.gguf`` file (None: bundled SmolLM2);
             with ``device`` and ``dtype``, used only when ``engine`` is not given.
-        strategy: ``"turbo"``, ``"blend"`` or ``"full"``; ``strategy_options`` are
-            its options, e.g. ``{"recompute_ratio": 0.15}`` for blend.
+        strategy: ``"turbo"`` (default: ``DEFAULT_STRATEGY``), ``"blend"`` or ``"full"``;
+            ``strategy_options`` are its options, e.g. ``{"recompute_ratio": 0.15}``
+            for blend.
         max_tokens: the most tokens to generate.
         temperature: sampling temperature (``0`` is greedy).
         top_p: nucleus sampling mass (1.0: off).
@@ -70,7 +73,7 @@ class ChatKVRAG(BaseChatModel):
     model: str | None = None
     device: str = "cpu"
     dtype: str | None = None
-    strategy: str = "turbo"
+    strategy: str = DEFAULT_STRATEGY
     strategy_options: dict[str, Any] = Field(default_factory=dict)
     max_tokens: int = Field(default=256, ge=0)
     temperature: float = Field(default=0.0, ge=0.0)
@@ -86,8 +89,7 @@ class ChatKVRAG(BaseChatModel):
 
     @model_validator(mode="after")
     def _load_engine(self) -> ChatKVRAG:
-        sampling_params({arg: getattr(self, name) for name, arg in _SAMPLING.items()})
-        sampling_params({"stop": self.stop})
+        self._request_defaults()  # a bad strategy, option or sampling value fails here
         self._ensure_engine()
         install_hooks()  # retrievers' and vector store searches' documents become known chunks
         return self
@@ -200,25 +202,26 @@ class ChatKVRAG(BaseChatModel):
                 "call it once per completion (with different seeds when sampling)"
             )
         engine = self.engine_for(kwargs.pop("model", None))
-        strategy = kwargs.pop("strategy", self.strategy)
-        options = dict(self.strategy_options) if strategy == self.strategy else {}
-        options.update(kwargs.pop("strategy_options", None) or {})
-        sampling = {}
-        for name, arg in _SAMPLING.items():
-            value = kwargs.pop(name, None)  # None (or absent): this model's own setting
-            sampling[arg] = getattr(self, name) if value is None else value
-        stops = stop if stop is not None else self.stop
-        sampling_params({**sampling, "stop": stops})  # bad values fail before any forward
-        eng_messages, known = to_engine_messages(messages, engine, kwargs.pop("documents", None))
-        options.update(kwargs)  # what is left: strategy options passed as keywords
-        return engine, {
-            "messages": eng_messages,
-            "known_chunks": known,
-            "strategy": strategy,
-            "stop": list(stops or []),
-            **sampling,
-            **options,
-        }
+        documents = kwargs.pop("documents", None)
+        for name, arg in _SAMPLING.items():  # LangChain's names to the engine's
+            value = kwargs.pop(name, None)
+            if value is not None:  # None (or absent): this model's own setting
+                kwargs.setdefault(arg, value)  # the engine's name, if given too, wins
+        if stop is not None:
+            kwargs["stop"] = stop
+        prompt = {name: kwargs.pop(name) for name in PROMPT_ARGS if name in kwargs}
+        # What is left (strategy, strategy_options, on_miss, strategy options as
+        # keywords) is under the engine's names already.
+        options = self._request_defaults().merged(kwargs)  # bad values fail here
+        eng_messages, known = to_engine_messages(messages, engine, documents)
+        request = {"messages": eng_messages, "known_chunks": known, **prompt}
+        return engine, {**request, **options.as_kwargs()}
+
+    def _request_defaults(self) -> RequestOptions:
+        """This model's settings over the engine's defaults (checked)."""
+        settings = {arg: getattr(self, name) for name, arg in _SAMPLING.items()}
+        settings.update(strategy=self.strategy, strategy_options=self.strategy_options)
+        return RequestOptions().merged({**settings, "stop": self.stop})
 
     def _chunks(
         self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]

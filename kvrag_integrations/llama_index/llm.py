@@ -23,16 +23,18 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, PrivateAttr
 
-from kvrag_integrations.engine.generate import sampling_params
-from kvrag_integrations.engine.strategies import make_strategy
+from kvrag_integrations.engine.request import RequestOptions
+from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.llama_index.hooks import install_hooks, known_chunks
 
 # LlamaIndex roles the chat template may not know, mapped to ones it does.
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
-# Per-call keyword arguments passed on to the engine (others, e.g. ``formatted``, are ignored).
+# Per-call keyword arguments passed on to the engine, under the engine's names
+# (others, e.g. ``formatted``, are ignored).
 _CALL_OPTIONS = (
     "strategy",
+    "strategy_options",
     "max_new_tokens",
     "temperature",
     "top_p",
@@ -41,6 +43,8 @@ _CALL_OPTIONS = (
     "stop",
     "on_miss",
 )
+# The instance's fields that are request options (the engine's names).
+_SETTINGS = tuple(name for name in _CALL_OPTIONS if name not in ("top_k", "on_miss"))
 
 
 @dataclass
@@ -79,7 +83,7 @@ class KVRAGLLM(CustomLLM):
         model: the model to load when no engine is given (HF id, directory, ``.gguf``).
         device: the device for a model loaded by name.
         dtype: the dtype for a model loaded by name.
-        strategy: ``"full"``, ``"turbo"`` or ``"blend"``.
+        strategy: ``"turbo"`` (default: ``DEFAULT_STRATEGY``), ``"blend"`` or ``"full"``.
         strategy_options: e.g. ``{"recompute_ratio": 0.15}`` for blend.
         max_new_tokens: the most tokens to generate.
         temperature: sampling temperature (``0`` is greedy).
@@ -101,7 +105,7 @@ class KVRAGLLM(CustomLLM):
     model: str | None = Field(default=None, description="Model to load when no engine is given.")
     device: str = Field(default="cpu", description="Device for a model loaded by name.")
     dtype: str | None = Field(default=None, description="Dtype for a model loaded by name.")
-    strategy: str = Field(default="blend", description='"full", "turbo" or "blend".')
+    strategy: str = Field(default=DEFAULT_STRATEGY, description='"turbo", "blend" or "full".')
     strategy_options: dict[str, Any] = Field(default_factory=dict)
     max_new_tokens: int = Field(default=256, ge=0)
     temperature: float = Field(default=0.0, ge=0.0)
@@ -117,8 +121,7 @@ class KVRAGLLM(CustomLLM):
         if engine is not None and kwargs.get("model") is not None:
             raise ValueError("pass an engine or a model name, not both")
         super().__init__(**kwargs)
-        make_strategy(self.strategy, **self.strategy_options)  # fail early on a bad option
-        self._options({})  # and on a bad sampling value
+        self._defaults()  # a bad strategy, option or sampling value fails here
         if engine is None:
             from kvrag_integrations.engine.engine import KVRAGEngine
 
@@ -174,23 +177,15 @@ class KVRAGLLM(CustomLLM):
         known = known_chunks(m["content"] for m in messages)
         return _Request(messages, known, self._options(kwargs))
 
+    def _defaults(self) -> RequestOptions:
+        """The instance's settings over the engine's defaults (checked)."""
+        return RequestOptions().merged({name: getattr(self, name) for name in _SETTINGS})
+
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The engine options of one call: the instance's, overridden by the call's."""
-        options: dict[str, Any] = {
-            "strategy": self.strategy,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": list(self.stop),
-        }
-        options.update({k: kwargs[k] for k in _CALL_OPTIONS if k in kwargs})
-        strategy_options = kwargs.get("strategy_options")
-        if strategy_options is None:  # the instance's options go with the instance's strategy
-            strategy_options = self.strategy_options if options["strategy"] == self.strategy else {}
-        options.update(strategy_options)
-        sampling_params(options)  # bad sampling values fail here, before any forward
-        return options
+        """The engine options of one call: the instance's, overridden by the call's
+        (``RequestOptions.merged``: bad values fail here, before any forward)."""
+        call = {k: kwargs[k] for k in _CALL_OPTIONS if k in kwargs}
+        return self._defaults().merged(call).as_kwargs()
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> _Request:
         dicts = []

@@ -12,12 +12,8 @@ that judges this document: it is encoded once (positions ``0..P-1``), stored, an
 for each query only the suffix (``P..P+S-1``) runs through the model. Scores with
 reuse equal scores without it up to float rounding.
 
-Candidates are scored in batches with a static padded layout: each row's prefix
-cache is padded on the right to the batch's longest prefix ``Pmax`` (zero K/V),
-the suffixes follow at columns ``Pmax..`` left-padded so that every row's last real
-token sits in the last column (one logit row per candidate is all the LM head
-computes), and an explicit 4D mask hides the padding while each row keeps its own
-RoPE positions.
+Candidates are scored in batches with a static padded layout over their cached
+prefixes (``rerank.scoring``: inputs, mask, batch cache and the two scores).
 """
 
 from __future__ import annotations
@@ -32,9 +28,9 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
-from kvrag_integrations.engine.generate import layered_cache
 from kvrag_integrations.engine.segments import check_text, check_texts
 from kvrag_integrations.errors import UnsupportedModelError
+from kvrag_integrations.rerank.scoring import batch_cache, batch_inputs, judge, query_likelihood
 from kvrag_integrations.rerank.templates import (
     UPR_TEMPLATE,
     RerankTemplate,
@@ -332,74 +328,30 @@ class KVReranker:
         """One batched forward; returns each row's score at its last token.
 
         Row ``r`` has ``prefix_lens[r]`` cached tokens (from ``kvs``) at positions
-        ``0..P_r-1`` and computes ``ids[r]`` at positions ``P_r..`` (no cache: ``P_r = 0``).
-        With ``n_query``, the last ``n_query`` ids of every row are the query and
-        the score is their mean log-probability (query likelihood).
+        ``0..P_r-1`` and computes ``ids[r]`` at positions ``P_r..`` (no cache: ``P_r = 0``;
+        layout: ``scoring.batch_inputs``). With ``n_query``, the last ``n_query`` ids
+        of every row are the query and the score is their mean log-probability
+        (query likelihood).
         """
         prefix_lens = prefix_lens or [0] * len(ids)
-        lm = self.engine.model
         device = self.engine.device
-        dtype = self.engine.dtype
-        batch, width = len(ids), max(t.numel() for t in ids)
-        p_max = max(prefix_lens)
-        lens = torch.tensor([t.numel() for t in ids])
-        plen = torch.tensor(prefix_lens)
         pad_id = int(self.engine.tokenizer.pad_token_id)
-        input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-        col = torch.arange(width)
-        start = width - lens  # first real column of each row (suffixes are left-padded)
-        # Padding columns get position P_r: harmless, nothing real attends to them.
-        positions = plen[:, None] + (col[None, :] - start[:, None]).clamp(min=0)
-        for r, t in enumerate(ids):
-            input_ids[r, width - t.numel() :] = t
-        padded = bool((lens != width).any() or (plen != p_max).any())
-        mask = None
-        if padded:
-            # Key column k < Pmax is cached slot k; k >= Pmax is computed column k - Pmax.
-            key = torch.arange(p_max + width)
-            comp = key - p_max
-            seen = key[None, None, :] < plen[:, None, None]  # real cached tokens
-            seen = seen | (
-                (comp[None, None, :] >= start[:, None, None])
-                & (comp[None, None, :] <= col[None, :, None])
-            )
-            # A padding column also sees itself so that no row is fully masked.
-            seen = seen | (comp[None, None, :] == col[None, :, None])
-            mask = torch.zeros(seen.shape, dtype=dtype)
-            mask.masked_fill_(~seen, torch.finfo(dtype).min)
-            mask = mask[:, None].to(device)
-        cache = self._batch_cache(kvs, p_max) if kvs is not None else None
+        input_ids, positions, mask = batch_inputs(ids, prefix_lens, pad_id, self.engine.dtype)
+        cache = batch_cache(kvs, max(prefix_lens)) if kvs is not None else None
         started = time.perf_counter()
         with self.engine.exclusive():
-            out = lm(
+            out = self.engine.model(
                 input_ids=input_ids.to(device),
                 position_ids=positions.to(device),
-                attention_mask=mask,
+                attention_mask=mask.to(device) if mask is not None else None,
                 past_key_values=cache,
                 use_cache=cache is not None,
                 logits_to_keep=n_query + 1 if n_query else 1,
             )
         self.stats.forward_s += time.perf_counter() - started
         if n_query:
-            # Columns -n_query-1 .. -2 predict the query's tokens (the last ones).
-            logp = torch.log_softmax(out.logits[:, :n_query].float(), dim=-1)
-            target = input_ids[:, -n_query:].to(logp.device)
-            picked = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-            return picked.mean(dim=-1).cpu().tolist()
-        logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-        yes = torch.logsumexp(logp[:, self.prompt.yes_ids], dim=-1)
-        no = torch.logsumexp(logp[:, self.prompt.no_ids], dim=-1)
-        return (yes - no).cpu().tolist()
-
-    def _batch_cache(self, kvs: list[ChunkKV], p_max: int) -> Any:
-        """A DynamicCache with each row's prefix K/V, right-padded with zeros to ``p_max``."""
-        n_layers, n_heads, _, head_dim = kvs[0].keys.shape
-        shape = (n_layers, len(kvs), n_heads, p_max, head_dim)  # [L, B, H, Pmax, D]
-        keys, values = kvs[0].keys.new_zeros(shape), kvs[0].values.new_zeros(shape)
-        for r, kv in enumerate(kvs):
-            keys[:, r, :, : kv.num_tokens] = kv.keys
-            values[:, r, :, : kv.num_tokens] = kv.values
-        return layered_cache(keys, values)
+            return query_likelihood(out.logits, input_ids, n_query)
+        return judge(out.logits, self.prompt.yes_ids, self.prompt.no_ids)
 
 
 __all__ = ["KVReranker", "RerankStats"]
