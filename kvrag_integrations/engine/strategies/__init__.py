@@ -25,10 +25,10 @@ DEFAULT_STRATEGY = TurboRAG.name
 """The strategy of every entry point that is not told one (engine, adapters, CLI, demo).
 
 On the published figures (docs/benchmarks.md: the bundled model, 2 CPU threads)
-turbo cuts TTFT about 31x against full prefill and blend@0.15 about 3.8x;
+turbo cuts TTFT about 42x against full prefill and blend@0.15 about 4.2x;
 blend@0.15's first-token KL to full is 0.67x turbo's (90% CI 0.50-0.95) and its
 greedy answers agree with full's 0.67 against turbo's 0.62. A modest fidelity
-gain for about 8x turbo's TTFT: turbo is the default, blend the option when
+gain for about 10x turbo's TTFT: turbo is the default, blend the option when
 fidelity matters more than latency.
 """
 
