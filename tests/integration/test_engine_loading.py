@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import logging
 
-from kvrag_integrations import KVRAGEngine, MemoryKVStore
+from corpus import REEF, TOWER
 
-TOWER = (
-    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. "
-    "It was designed by the company of the engineer Gustave Eiffel and completed in 1889."
-)
-REEF = (
-    "The Great Barrier Reef, off the coast of Queensland in Australia, is the world's "
-    "largest coral reef system, made of almost 3,000 individual reefs."
-)
+from kvrag_integrations import KVRAGEngine, MemoryKVStore
 
 
 def test_same_weights_loaded_twice_are_named_and_one_engine_is_shared(engine, caplog) -> None:

@@ -8,21 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from corpus import CAPITAL_QUESTION as QUESTION
+from corpus import CAPITALS as CHUNKS
+from corpus import on_disk
 from llama_index.core import Document, VectorStoreIndex
 
-from kvrag_integrations import DiskKVStore, KVRAGEngine
+from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.llama_index import KVRAGLLM, KVCacheTransform, MiniLMEmbedding
-
-CHUNKS = [
-    "Canberra is the capital city of Australia; Parliament first met there in 1927.",
-    "Ottawa is the capital of Canada. It lies on the Ottawa River in Ontario.",
-    "Wellington is the capital of New Zealand, at the southern tip of the North Island.",
-]
-QUESTION = "What is the capital of Canada?"
-
-
-def on_disk(engine: KVRAGEngine, root: Path) -> KVRAGEngine:
-    return KVRAGEngine(engine.loaded, store=DiskKVStore(root), on_miss="encode")
 
 
 def test_llama_index_retrieval_starts_the_loads_the_llm_takes(

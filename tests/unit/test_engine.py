@@ -12,6 +12,8 @@ import time
 
 import pytest
 import torch
+from corpus import REEF, TOWER
+from corpus import TOWER_QUESTION as QUESTION
 
 from kvrag_integrations import (
     Chunk,
@@ -26,16 +28,6 @@ from kvrag_integrations import (
 )
 from kvrag_integrations.engine.layout import ModelLayout
 from kvrag_integrations.engine.rope import shift_keys
-
-TOWER = (
-    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. "
-    "It was designed by the company of the engineer Gustave Eiffel and completed in 1889."
-)
-REEF = (
-    "The Great Barrier Reef, off the coast of Queensland in Australia, is the world's "
-    "largest coral reef system, made of almost 3,000 individual reefs."
-)
-QUESTION = "In which year was the Eiffel Tower completed?"
 
 
 def first_logits(engine: KVRAGEngine, segments, strategy: str, **kw) -> torch.Tensor:

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from corpus import CAPITAL_QUESTION as QUESTION
+from corpus import CAPITALS as CHUNKS
+from corpus import on_disk
 
 from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.chunk_kv import ChunkKV
@@ -103,16 +106,6 @@ def test_bad_settings_are_refused() -> None:
 
 
 # ---------------------------------------------- through the engine (tiny model)
-CHUNKS = [
-    "Canberra is the capital city of Australia; Parliament first met there in 1927.",
-    "Ottawa is the capital of Canada. It lies on the Ottawa River in Ontario.",
-    "Wellington is the capital of New Zealand, at the southern tip of the North Island.",
-]
-QUESTION = "What is the capital of Canada?"
-
-
-def on_disk(engine: KVRAGEngine, root: Path) -> KVRAGEngine:
-    return KVRAGEngine(engine.loaded, store=DiskKVStore(root), on_miss="encode")
 
 
 def test_prefetched_and_concurrent_reads_give_the_same_logits(

@@ -1,0 +1,31 @@
+"""Test passages and questions both tiers use (imported as ``corpus``: tests/ is on
+the import path, as for ``langchain_suites``), and the disk-backed engine the
+prefetch tests build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvrag_integrations import DiskKVStore, KVRAGEngine
+
+TOWER = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. "
+    "It was designed by the company of the engineer Gustave Eiffel and completed in 1889."
+)
+REEF = (
+    "The Great Barrier Reef, off the coast of Queensland in Australia, is the world's "
+    "largest coral reef system, made of almost 3,000 individual reefs."
+)
+TOWER_QUESTION = "In which year was the Eiffel Tower completed?"
+
+CAPITALS = [
+    "Canberra is the capital city of Australia; Parliament first met there in 1927.",
+    "Ottawa is the capital of Canada. It lies on the Ottawa River in Ontario.",
+    "Wellington is the capital of New Zealand, at the southern tip of the North Island.",
+]
+CAPITAL_QUESTION = "What is the capital of Canada?"
+
+
+def on_disk(engine: KVRAGEngine, root: Path) -> KVRAGEngine:
+    """An engine over ``engine``'s weights with a disk store (reads that prefetch can start)."""
+    return KVRAGEngine(engine.loaded, store=DiskKVStore(root), on_miss="encode")
