@@ -21,7 +21,13 @@ from kvrag_integrations.chunk_kv import (
     storage_fingerprint,
 )
 from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.entries import DEFAULT_CHUNK_SUFFIX, Fetched, Miss, attach_suffix
+from kvrag_integrations.engine.entries import (
+    DEFAULT_CHUNK_SUFFIX,
+    Fetched,
+    Miss,
+    attach_suffix,
+    entry_ids,
+)
 from kvrag_integrations.engine.loader import ChunkLoader
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.results import ChunkRef
@@ -94,13 +100,8 @@ class ChunkCaches:
         return cache_key(self.fingerprint, self.entry_ids(ids))
 
     def entry_ids(self, chunk_ids: torch.Tensor) -> torch.Tensor:
-        """What a chunk's entry encodes: its ids, then the chunk suffix's.
-
-        The key is over these ids, so engines with different suffixes never
-        share an entry unless it holds the same tokens. The chunk's own rows
-        are what it would have alone: nothing after a token changes its K/V.
-        """
-        return torch.cat([chunk_ids, self.suffix_ids]) if self.suffix_ids.numel() else chunk_ids
+        """``entries.entry_ids`` with this engine's chunk suffix."""
+        return entry_ids(chunk_ids, self.suffix_ids)
 
     def piece_entry_ids(self, piece: Piece) -> torch.Tensor:
         """The ids of the entry a cached piece reads (a prompt not passed through

@@ -25,6 +25,16 @@ from kvrag_integrations.store import KVStore
 DEFAULT_CHUNK_SUFFIX = "\n\n"
 
 
+def entry_ids(chunk_ids: torch.Tensor, suffix_ids: torch.Tensor) -> torch.Tensor:
+    """What a chunk's entry encodes: its ids, then the chunk suffix's.
+
+    The key is over these ids, so engines with different suffixes never share
+    an entry unless it holds the same tokens. The chunk's own rows are what it
+    would have alone: nothing after a token changes its K/V.
+    """
+    return torch.cat([chunk_ids, suffix_ids]) if suffix_ids.numel() else chunk_ids
+
+
 def attach_suffix(
     prompt: TokenizedPrompt, suffix_ids: torch.Tensor, suffix: str = ""
 ) -> TokenizedPrompt:
@@ -32,12 +42,13 @@ def attach_suffix(
     the text after a chunk starts with ``suffix_ids``, those tokens move into the
     chunk piece, so their K/V are read with the chunk's instead of computed."""
     k = suffix_ids.numel()
+    if not k:
+        return prompt
     pieces: list[Piece] = []
     for piece in prompt.pieces:
         prev = pieces[-1] if pieces else None
         if (
-            k
-            and prev is not None
+            prev is not None
             and prev.stored_ids is not None
             and prev.ids.numel() < prev.stored_ids.numel()
             and not piece.is_cached
@@ -49,8 +60,8 @@ def attach_suffix(
                 rest = piece.text.removeprefix(suffix)
                 pieces.append(replace(piece, ids=piece.ids[k:], text=rest))
             continue
-        if piece.is_chunk and piece.stored_ids is None and k:
-            piece = replace(piece, stored_ids=torch.cat([piece.ids, suffix_ids]))
+        if piece.is_chunk and piece.stored_ids is None:
+            piece = replace(piece, stored_ids=entry_ids(piece.ids, suffix_ids))
         pieces.append(piece)
     return TokenizedPrompt(pieces)
 
