@@ -59,15 +59,19 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def storage_fingerprint(model_fingerprint: str, precision: str) -> str:
+def storage_fingerprint(model_fingerprint: str, precision: str, context: str = "") -> str:
     """The fingerprint chunk caches are keyed and checked by: the model's plus the
-    storage precision, so engines that store differently never read each other's entries.
+    storage precision and the encoding context (empty: chunks encoded alone), so
+    engines that store differently never read each other's entries.
 
     Examples:
         >>> storage_fingerprint("abc", "int8")
         'abc+kv-int8'
+        >>> storage_fingerprint("abc", "float16", "sink:1")
+        'abc+kv-float16+ctx-sink:1'
     """
-    return f"{model_fingerprint}+kv-{check_precision(precision)}"
+    base = f"{model_fingerprint}+kv-{check_precision(precision)}"
+    return f"{base}+ctx-{context}" if context else base
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,7 +81,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ChunkKV:
-    """Per-layer keys and values of one chunk, prefilled alone from position 0.
+    """Per-layer keys and values of one chunk, prefilled alone from position 0
+    (or behind its engine's encoding context, whose rows are not kept: see
+    ``ChunkCaches``; the context is part of ``fingerprint``).
 
     Attributes:
         token_ids: int64 tensor ``[n]``: the chunk's own token ids.

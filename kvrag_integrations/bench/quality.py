@@ -108,14 +108,32 @@ SUFFIX: list[tuple[str, dict[str, Any]]] = [
     ("blend", {"recompute_ratio": 0.15, "chunk_suffix": ""}),
 ]
 
+# Issue 21's candidates against turbo and blend@0.15 as they are: chunks encoded
+# behind the model's BOS as a sink whose rows are dropped (``chunk_context``, an
+# engine setting), APE's key temperature, query-driven selection (the question's
+# attention over the reused caches, from a quarter of the depth on), and EPIC's
+# chunk-start recompute once chunks have a proper sink.
+CONTEXT: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("turbo", {"chunk_context": "sink"}),
+    ("turbo", {"key_temperature": 0.9}),
+    ("blend", {"recompute_ratio": 0.15}),
+    ("blend", {"recompute_ratio": 0.15, "chunk_context": "sink"}),
+    ("blend", {"recompute_ratio": 0.15, "selection": "query", "keep_chunk_starts": 1}),
+    ("blend", {"recompute_ratio": 0.15, "selection": "query", "chunk_context": "sink"}),
+    ("blend", {"recompute_ratio": 0.15, "recompute_first": 4, "chunk_context": "sink"}),
+]
+
 # Row options that are engine settings: such a row runs on an engine of its own
 # over the same weights.
-ENGINE_OPTIONS = ("cache_precision", "chunk_suffix")
+ENGINE_OPTIONS = ("cache_precision", "chunk_suffix", "chunk_context")
 
 PRESETS = {
     "default": DEFAULT_STRATEGIES,
     "precision": PRECISION,
     "suffix": SUFFIX,
+    "context": CONTEXT,
     "ablation": ABLATION,
     "sinks": SINKS,
     "refresh": REFRESH,
@@ -153,7 +171,11 @@ def _engine_for(
     engine: KVRAGEngine, settings: dict[str, Any], engines: dict[tuple, KVRAGEngine]
 ) -> KVRAGEngine:
     """``engine``, or one over its weights with other engine ``settings``."""
-    current = {"cache_precision": engine.caches.precision, "chunk_suffix": engine.caches.suffix}
+    current = {
+        "cache_precision": engine.caches.precision,
+        "chunk_suffix": engine.caches.suffix,
+        "chunk_context": engine.caches.context,
+    }
     if all(current[k] == v for k, v in settings.items()):
         return engine
     key = tuple(sorted(settings.items()))

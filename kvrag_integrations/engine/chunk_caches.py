@@ -1,4 +1,5 @@
-"""ChunkCaches: one model's chunk caches, encoded alone, stored and found for prompts.
+"""ChunkCaches: one model's chunk caches, encoded alone (or behind the encoding
+context), stored and found for prompts.
 
 What an entry holds and how a prompt points at it (``attach_suffix``, ``Miss``,
 ``Fetched``, ``DEFAULT_CHUNK_SUFFIX``) is in ``engine.entries``, re-exported here.
@@ -22,10 +23,13 @@ from kvrag_integrations.chunk_kv import (
 )
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.entries import (
+    DEFAULT_CHUNK_CONTEXT,
     DEFAULT_CHUNK_SUFFIX,
     Fetched,
     Miss,
     attach_suffix,
+    context_ids,
+    context_tag,
     entry_ids,
 )
 from kvrag_integrations.engine.loader import ChunkLoader
@@ -76,9 +80,12 @@ class ChunkCaches:
         store: KVStore,
         precision: str = "float16",
         suffix: str = DEFAULT_CHUNK_SUFFIX,
+        context: str = DEFAULT_CHUNK_CONTEXT,
     ) -> None:
         self.loaded = loaded
         self.precision = check_precision(precision)
+        self.context = context
+        self.context_ids = context_ids(loaded.tokenizer, context)
         if not isinstance(suffix, str):
             raise TypeError(f"chunk_suffix must be a string, got {type(suffix).__name__}")
         self.suffix = suffix
@@ -90,8 +97,11 @@ class ChunkCaches:
 
     @property
     def fingerprint(self) -> str:
-        """The storage fingerprint: the model's plus the storage precision."""
-        return storage_fingerprint(self.loaded.fingerprint, self.precision)
+        """The storage fingerprint: the model's plus the storage precision and the
+        chunk encoding context."""
+        return storage_fingerprint(
+            self.loaded.fingerprint, self.precision, context_tag(self.context, self.context_ids)
+        )
 
     def key(self, text: str) -> str:
         """The store key the chunk ``text`` has under this model."""
@@ -114,8 +124,8 @@ class ChunkCaches:
         return cache_key(self.fingerprint, self.piece_entry_ids(piece))
 
     def attach_suffixes(self, prompt: TokenizedPrompt) -> TokenizedPrompt:
-        """``attach_suffix`` with this engine's chunk suffix."""
-        return attach_suffix(prompt, self.suffix_ids, self.suffix)
+        """``attach_suffix`` with this engine's chunk suffix and encoding context."""
+        return attach_suffix(prompt, self.suffix_ids, self.suffix, self.context_ids.numel())
 
     def prefetch(self, texts: Sequence[str]) -> int:
         """Start reading the stored caches of chunk ``texts`` (see ``ChunkLoader``).
@@ -240,6 +250,10 @@ class ChunkCaches:
         fingerprint = fingerprint if fingerprint is not None else self.fingerprint
         if precision is None:
             precision = "model" if store is self.prefix_store else self.precision
+        # Only this engine's chunk entries have its encoding context; leading text
+        # (exact from position 0) and other callers' key spaces are encoded alone.
+        chunk_entries = store is self.store and fingerprint == self.fingerprint
+        context = self.context_ids if chunk_entries and self.context_ids.numel() else None
         done: dict[str, ChunkKV] = {}
         seconds = 0.0
         writable = True
@@ -254,7 +268,7 @@ class ChunkCaches:
                 batch = order[start : start + step]
                 started = time.perf_counter()
                 with self.loaded.lock:  # one forward at a time on these weights
-                    kvs = encode_chunk_batch(self.loaded.model, batch, fingerprint, pad_id)
+                    kvs = encode_chunk_batch(self.loaded.model, batch, fingerprint, pad_id, context)
                 seconds += time.perf_counter() - started
                 for kv in kvs:
                     kv = kv.stored_as(precision)

@@ -13,7 +13,8 @@ import torch
 from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.engine import prompts, registry
 from kvrag_integrations.engine.background import BackgroundEncoder
-from kvrag_integrations.engine.chunk_caches import DEFAULT_CHUNK_SUFFIX, ChunkCaches
+from kvrag_integrations.engine.chunk_caches import ChunkCaches
+from kvrag_integrations.engine.entries import DEFAULT_CHUNK_CONTEXT, DEFAULT_CHUNK_SUFFIX
 from kvrag_integrations.engine.generate import GenerationResult
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.request import (
@@ -80,6 +81,7 @@ class KVRAGEngine(registry.EngineLoading):
         max_pending: int = 256,
         cache_precision: str = "float16",
         chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
+        chunk_context: str = DEFAULT_CHUNK_CONTEXT,
     ) -> None:
         """Wrap a loaded model.
 
@@ -109,6 +111,11 @@ class KVRAGEngine(registry.EngineLoading):
                 alone, like the chunk's own) instead of being computed per
                 request; elsewhere the chunk's rows alone are used. ``""``
                 encodes chunks alone. Part of the entries' keys.
+            chunk_context: what a chunk is encoded behind: ``"alone"`` (default,
+                from position 0) or ``"sink"`` (behind the model's BOS token,
+                whose K/V are dropped, so no chunk token acts as an attention
+                sink the full prompt does not have; see docs/benchmarks.md,
+                "CacheBlend"). Part of the entries' fingerprint.
         """
         self.loaded = loaded
         self.cache_prefix = cache_prefix
@@ -120,6 +127,7 @@ class KVRAGEngine(registry.EngineLoading):
             store if store is not None else MemoryKVStore(),
             cache_precision,
             chunk_suffix,
+            chunk_context,
         )
         self.encoder = BackgroundEncoder(self.caches.encode_jobs, max_pending=max_pending)
         registry.note_engine(self)
@@ -132,7 +140,7 @@ class KVRAGEngine(registry.EngineLoading):
     @property
     def fingerprint(self) -> str:
         """What chunk caches are keyed and checked by: the model's fingerprint
-        (``loaded.fingerprint``) plus ``cache_precision``."""
+        (``loaded.fingerprint``) plus ``cache_precision`` and ``chunk_context``."""
         return self.caches.fingerprint
 
     @property

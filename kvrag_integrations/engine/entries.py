@@ -1,10 +1,12 @@
 """What a chunk's store entry holds, and how a prompt's chunk pieces point at it.
 
 An entry is a chunk's ids followed by the engine's chunk suffix's
-(``DEFAULT_CHUNK_SUFFIX``), encoded after the chunk alone. ``attach_suffix``
-points each chunk piece of a tokenized prompt at its entry and, where the text
-after the chunk starts with the suffix, moves those tokens into the chunk piece
-so their K/V are read instead of computed. ``Miss`` and ``Fetched`` record what
+(``DEFAULT_CHUNK_SUFFIX``), encoded in the engine's chunk encoding context
+(``CHUNK_CONTEXTS``: alone from position 0, or behind the model's BOS as an
+attention sink whose rows are dropped). ``attach_suffix`` points each chunk
+piece of a tokenized prompt at its entry and, where the text after the chunk
+starts with the suffix, moves those tokens into the chunk piece so their K/V
+are read instead of computed. ``Miss`` and ``Fetched`` record what
 a lookup did not find and what ``ChunkCaches.fetch_or_encode`` read or encoded.
 """
 
@@ -25,6 +27,37 @@ from kvrag_integrations.store import KVStore
 DEFAULT_CHUNK_SUFFIX = "\n\n"
 
 
+# How a chunk is encoded for its entry: "alone" (TurboRAG: from position 0, its
+# first token its own attention sink) or "sink" (behind the model's BOS token,
+# whose K/V are dropped: CacheBlend's reference encoding, so that no chunk token
+# plays a sink the full prompt does not have). Part of the entries' fingerprint.
+CHUNK_CONTEXTS = ("alone", "sink")
+DEFAULT_CHUNK_CONTEXT = "alone"
+
+
+def context_ids(tokenizer: object, context: str) -> torch.Tensor:
+    """The ids a chunk is encoded behind (empty for ``"alone"``).
+
+    Raises:
+        ValueError: an unknown context, or ``"sink"`` with a tokenizer without BOS.
+    """
+    if context not in CHUNK_CONTEXTS:
+        raise ValueError(f"chunk_context must be one of {CHUNK_CONTEXTS}, got {context!r}")
+    if context == "alone":
+        return torch.zeros(0, dtype=torch.long)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        raise ValueError("chunk_context='sink' needs a tokenizer with a BOS token")
+    return torch.tensor([int(bos)], dtype=torch.long)
+
+
+def context_tag(context: str, ids: torch.Tensor) -> str:
+    """The context's part of the storage fingerprint (empty for ``"alone"``)."""
+    if not ids.numel():
+        return ""
+    return context + ":" + ",".join(str(int(i)) for i in ids)
+
+
 def entry_ids(chunk_ids: torch.Tensor, suffix_ids: torch.Tensor) -> torch.Tensor:
     """What a chunk's entry encodes: its ids, then the chunk suffix's.
 
@@ -36,12 +69,17 @@ def entry_ids(chunk_ids: torch.Tensor, suffix_ids: torch.Tensor) -> torch.Tensor
 
 
 def attach_suffix(
-    prompt: TokenizedPrompt, suffix_ids: torch.Tensor, suffix: str = ""
+    prompt: TokenizedPrompt, suffix_ids: torch.Tensor, suffix: str = "", stored_at: int = 0
 ) -> TokenizedPrompt:
-    """Point each chunk piece at its entry (its ids, then ``suffix_ids``); where
-    the text after a chunk starts with ``suffix_ids``, those tokens move into the
-    chunk piece, so their K/V are read with the chunk's instead of computed."""
+    """Point each chunk piece at its entry (its ids, then ``suffix_ids``, encoded
+    from position ``stored_at``); where the text after a chunk starts with
+    ``suffix_ids``, those tokens move into the chunk piece, so their K/V are read
+    with the chunk's instead of computed."""
     k = suffix_ids.numel()
+    if stored_at:
+        prompt = TokenizedPrompt(
+            [replace(p, stored_at=stored_at) if p.is_chunk else p for p in prompt.pieces]
+        )
     if not k:
         return prompt
     pieces: list[Piece] = []

@@ -236,8 +236,8 @@ class EngineLoading:
             cache_precision: how chunk caches are stored: ``"float16"`` (default),
                 ``"bfloat16"``, ``"int8"`` or ``"model"`` (full precision); see
                 ``KVRAGEngine``.
-            **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending``, ``chunk_suffix`` (see
-                ``KVRAGEngine``).
+            **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending``,
+                ``chunk_suffix``, ``chunk_context`` (see ``KVRAGEngine``).
         """
         from kvrag_integrations.engine.model import load_model
 

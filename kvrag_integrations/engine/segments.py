@@ -137,6 +137,9 @@ class Piece:
     ``stored_ids``: the ids a chunk's store entry holds when they are more than
     ``ids`` (the chunk followed by the engine's chunk suffix); ``ids`` is then a
     prefix of them, and the piece takes the first ``len(ids)`` rows.
+    ``stored_at``: the position the entry's first row was encoded at (the length
+    of the engine's chunk encoding context; 0 for chunks encoded alone and for
+    the leading text): assembly moves its keys from there.
 
     Examples:
         >>> p = Piece(torch.tensor([1, 2]), "prefix", "System: ...")
@@ -148,6 +151,7 @@ class Piece:
     kind: PieceKind
     text: str
     stored_ids: torch.Tensor | None = None
+    stored_at: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in PIECE_KINDS:

@@ -9,6 +9,11 @@ cached token are compared with its stored ones; the ``recompute_ratio`` share
 with the largest squared-L2 deviation (plus every uncached token) is selected.
 The second pass runs only the selected tokens through every layer, writing
 fresh K/V over the stored entries; everything else is reused as stored.
+
+``selection="query"`` (ProphetKV arXiv 2602.02579, A3 arXiv 2511.17560)
+replaces the first pass: the uncached text runs over the reused caches as in
+turbo, and the chunk tokens the question's last rows attend to most, summed
+over ``query_layers``, are the ones recomputed.
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from collections.abc import Sequence
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
+from kvrag_integrations.engine.attention_mass import attention_mass
 from kvrag_integrations.engine.forward import PromptKV, run_tokens
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput
 from kvrag_integrations.engine.strategies.reuse import ChunkReuse, output, with_last
+from kvrag_integrations.errors import UnsupportedModelError
 
 DEVIATIONS = ("value", "key", "both")
+SELECTIONS = ("deviation", "query")
 
 
 class CacheBlend(ChunkReuse):
@@ -47,6 +55,13 @@ class CacheBlend(ChunkReuse):
             that are not selected (computed anyway and exact at that layer); then
             ``recompute_ratio=0`` is no longer turbo.
         positions: ``"reordered"`` or ``"composite"``, as for turbo.
+        selection: ``"deviation"`` (CacheBlend: K/V drift at ``check_layer``) or
+            ``"query"`` (the tokens the question attends to most over the reused
+            caches, summed over ``query_layers``; ``check_layer``, ``deviation``
+            and ``refresh_check_layer`` do not apply).
+        query_layers: the layers whose attention ``"query"`` sums (default: from
+            a quarter of the depth on, where attention depends on content more
+            than on position).
 
     Examples:
         >>> CacheBlend(recompute_ratio=0.15).name
@@ -64,6 +79,8 @@ class CacheBlend(ChunkReuse):
         positions: str = "reordered",
         keep_chunk_starts: int = 0,
         refresh_check_layer: bool = False,
+        selection: str = "deviation",
+        query_layers: Sequence[int] | None = None,
     ) -> None:
         super().__init__(positions)
         if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)):
@@ -80,12 +97,22 @@ class CacheBlend(ChunkReuse):
             raise ValueError("keep_chunk_starts must be an int >= 0")
         if not isinstance(refresh_check_layer, bool):
             raise TypeError("refresh_check_layer must be a bool")
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+        if query_layers is not None and (
+            isinstance(query_layers, (str, bytes))
+            or not query_layers
+            or not all(isinstance(i, int) and i >= 0 for i in query_layers)
+        ):
+            raise ValueError(f"query_layers must be layer indices >= 0, got {query_layers!r}")
         self.recompute_ratio = float(recompute_ratio)
         self.check_layer = check_layer
         self.deviation = deviation
         self.recompute_first = recompute_first
         self.keep_chunk_starts = keep_chunk_starts
         self.refresh_check_layer = refresh_check_layer
+        self.selection = selection
+        self.query_layers = None if query_layers is None else tuple(query_layers)
 
     def prefill(
         self, model: LoadedModel, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]
@@ -107,14 +134,18 @@ class CacheBlend(ChunkReuse):
         if self.recompute_first:
             keep |= self._chunk_starts(prompt, kv, self.recompute_first)
 
-        def select(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, rows: torch.Tensor):
-            if layer < self.check_layer:
-                return None  # every token's fresh K/V (CacheBlend's full first layers)
-            keep[rows] |= self.pick(kv, layer, fresh_k, fresh_v, rows, candidates[rows])
-            return None if self.refresh_check_layer else keep[rows]
+        if self.selection == "query":
+            keep |= self.pick_by_query(model, kv, todo, candidates)
+        else:
 
-        every = torch.arange(kv.num_tokens, device=kv.device)
-        run_tokens(model.model, model.layout, kv, every, select, stop_after=self.check_layer)
+            def select(layer: int, fresh_k, fresh_v, rows: torch.Tensor) -> torch.Tensor | None:
+                if layer < self.check_layer:
+                    return None  # every token's fresh K/V (CacheBlend's full first layers)
+                keep[rows] |= self.pick(kv, layer, fresh_k, fresh_v, rows, candidates[rows])
+                return None if self.refresh_check_layer else keep[rows]
+
+            every = torch.arange(kv.num_tokens, device=kv.device)
+            run_tokens(model.model, model.layout, kv, every, select, stop_after=self.check_layer)
         computed = keep.nonzero().flatten()
         logits = run_tokens(model.model, model.layout, kv, computed)
         return output(kv, logits, uncached, computed)
@@ -143,6 +174,35 @@ class CacheBlend(ChunkReuse):
         keep[torch.topk(score, n_keep).indices] = True
         return keep
 
+    def pick_by_query(
+        self, model: LoadedModel, kv: PromptKV, todo: torch.Tensor, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """Keep-mask over the prompt: the top ``recompute_ratio`` of ``candidates`` by
+        the attention the question pays them, the uncached text computed over the
+        reused caches (turbo's prefill; its K/V are computed again after)."""
+        keep = torch.zeros_like(candidates)
+        n_keep = round(self.recompute_ratio * int(candidates.sum()))
+        if n_keep == 0:
+            return keep
+        n_layers = model.layout.num_layers
+        layers = self.query_layers or range(n_layers // 4, n_layers)
+        if max(layers) >= n_layers:
+            raise ValueError(f"query_layers {max(layers)} >= the model's {n_layers} layers")
+        # The question: the computed rows after the last candidate token.
+        tail = int((todo > int(candidates.nonzero().max())).sum())
+        with attention_mass(model.model, set(layers), tail) as mass:
+            # A plug-in keeps the rows in one forward, so "last rows" is the question.
+            run_tokens(model.model, model.layout, kv, todo, on_update=_write_all)
+        if mass.mass is None:  # the model's attention bypasses transformers' interface
+            raise UnsupportedModelError(
+                f"{model.layout.architecture}: selection='query' needs attention that "
+                "goes through transformers' AttentionInterface"
+            )
+        score = mass.mass[: kv.num_tokens].clone()
+        score[~candidates] = float("-inf")
+        keep[torch.topk(score, n_keep).indices] = True
+        return keep
+
     def _chunk_starts(self, prompt: TokenizedPrompt, kv: PromptKV, n: int) -> torch.Tensor:
         """Mask of the first ``n`` tokens of every chunk (not the cached leading text)."""
         starts = torch.zeros(kv.num_tokens, dtype=torch.bool, device=kv.device)
@@ -152,6 +212,10 @@ class CacheBlend(ChunkReuse):
                 starts[offset : offset + min(n, piece.ids.numel())] = True
             offset += piece.ids.numel()
         return starts
+
+
+def _write_all(*_: object) -> None:
+    return None
 
 
 def _sq_dist(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,8 @@ class ChunkReuse(Strategy):
         layout = model.layout
         n_tokens = prompt.num_tokens
         pos = torch.empty(n_tokens, dtype=torch.long)
-        # How far each token's stored key moves (chunks are stored from position 0).
+        # How far each token's stored key moves (entries are stored from position
+        # ``piece.stored_at``: 0, or after the chunk encoding context).
         delta = torch.zeros(n_tokens, dtype=torch.long)
         placed: list[tuple[slice, tuple[torch.Tensor, torch.Tensor]]] = []
         uncached = []
@@ -58,7 +59,7 @@ class ChunkReuse(Strategy):
                 at = next_pos if self.positions == "reordered" else 0
                 placed.append((span, stored_kv(next(chunk_iter))))
                 pos[span] = torch.arange(at, at + n)
-                delta[span] = at
+                delta[span] = at - piece.stored_at
                 next_pos = max(next_pos, at + n)
             else:
                 pos[span] = torch.arange(next_pos, next_pos + n)
