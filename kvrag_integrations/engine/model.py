@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import FORMAT_VERSION
+from kvrag_integrations.engine.host_memory import keep_freed_memory
 from kvrag_integrations.engine.layout import ModelLayout
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,10 @@ def load_model(
         # the copies cost ~12% of turbo's TTFT. Same results; a user's own
         # setting wins.
         os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+        # Each request's prompt cache is freed at its end; glibc would hand it
+        # back to the OS and the next request page-fault it again (turbo's TTFT
+        # 2.5x its floor at 16 chunks). KVRAG_KEEP_FREED_MEMORY=0 turns it off.
+        keep_freed_memory()
     source, gguf_file, name = _resolve_source(model)
     if gguf_file is not None:
         source = _dequantized_copy(Path(source), gguf_file)
