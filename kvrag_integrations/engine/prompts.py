@@ -86,11 +86,40 @@ def build_segments(
     if chat_template:
         return render_chat(tokenizer, chat)
     flat: list[Segment] = []
+    if segments is None:  # a prompt we lay out (``segments`` are the prompt as given)
+        bos = leading_bos(tokenizer)
+        if bos is not None:
+            flat.append(Text(bos, markup=True))
     for role, content in chat:
         flat += content
         if role == "system":
             flat.append(Text("\n\n"))
+    if question is not None:
+        flat.append(Text(PLAIN_ANSWER_CUE))  # a base model continues from here
     return flat
+
+
+# Ends the plain (no chat template) RAG prompt, as LlamaIndex's default QA prompt
+# ends with "Answer: ": without it a base model continues the question.
+PLAIN_ANSWER_CUE = "\nAnswer:"
+
+
+def leading_bos(tokenizer: Any) -> str | None:
+    """The BOS token string if the tokenizer starts every text with it (Gemma,
+    Llama base models: ``tokenizer(text)`` adds it), else None.
+
+    Chat templates write BOS themselves where the model wants it; a prompt laid
+    out without one needs it added, or the model (Gemma above all) answers from
+    a prompt it never saw in training.
+    """
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if bos is None or bos_id is None:
+        return None
+    try:
+        ids = tokenizer("a")["input_ids"]
+    except Exception:  # a tokenizer that cannot say: add nothing
+        return None
+    return bos if ids and ids[0] == bos_id else None
 
 
 def _message(

@@ -103,3 +103,12 @@ def test_framework_classes_and_cli_take_the_gguf(
     err = capsys.readouterr().err
     assert code == 0, err
     assert int(re.search(r"reused (\d+) tokens", err)[1]) > 0
+
+
+def test_default_prompt_starts_with_bos(gemma: KVRAGEngine) -> None:
+    """Gemma's tokenizer adds BOS to every text and has no chat template: the
+    prompt the engine lays out starts with BOS, as ``tokenizer(prompt)`` would."""
+    prompt = gemma.tokenize(gemma.build_segments(question="Who?", chunks=CHUNKS))
+    assert prompt.input_ids[0] == gemma.tokenizer.bos_token_id == 2
+    assert int((prompt.input_ids == 2).sum()) == 1
+    assert gemma.tokenizer.decode(prompt.input_ids).endswith("Question: Who?\nAnswer:")

@@ -207,3 +207,38 @@ def test_an_idle_stream_from_another_thread_does_not_block(engine: KVRAGEngine) 
     w.join(timeout=60)
     release.set()
     assert done.is_set()
+
+
+class _BaseModelTokenizer:
+    """A base model's tokenizer: no chat template, BOS added to every text."""
+
+    chat_template = None
+    bos_token, bos_token_id = "<bos>", 2
+
+    def __init__(self, adds_bos: bool) -> None:
+        self.adds_bos = adds_bos
+
+    def __call__(self, text: str, **_: object) -> dict:
+        return {"input_ids": ([2] if self.adds_bos else []) + [7] * len(text)}
+
+
+class _Engine:
+    chunk_index = None
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+
+
+@pytest.mark.parametrize("adds_bos", [True, False])
+def test_plain_prompt_starts_with_bos_where_the_tokenizer_adds_it(adds_bos: bool) -> None:
+    """Without a chat template the prompt we lay out starts as ``tokenizer(text)``
+    would (BOS for Gemma, Llama base models) and ends with an answer cue; segments
+    given as the whole prompt are left as they are."""
+    from kvrag_integrations.engine.prompts import PLAIN_ANSWER_CUE, build_segments
+
+    engine = _Engine(_BaseModelTokenizer(adds_bos))
+    segs = build_segments(engine, question="Who?", chunks=[FACT])
+    assert (segs[0] == Text("<bos>", markup=True)) is adds_bos
+    assert segs[-1] == Text(PLAIN_ANSWER_CUE) and PLAIN_ANSWER_CUE.endswith("Answer:")
+    given = [Chunk(FACT), Text("Q?")]
+    assert build_segments(engine, segments=given) == given
