@@ -317,23 +317,27 @@ def table(payload: dict[str, Any]) -> str:
         for r in payload["results"]
     ]
     text = markdown_table(headers, rows)
-    paired = paired_table(payload)
-    return text + "\n\n" + paired if paired else text
+    tables = [text, paired_table(payload)]
+    # Variants of blend also against blend@0.15 itself (the default's options).
+    if sum(r["strategy"].startswith("blend(") for r in payload["results"]) > 0:
+        tables.append(paired_table(payload, base_name="blend@0.15"))
+    return "\n\n".join(t for t in tables if t)
 
 
-def paired_table(payload: dict[str, Any]) -> str:
-    """Every partial-reuse row against turbo on the same questions, with 90% intervals.
+def paired_table(payload: dict[str, Any], base_name: str = "turbo") -> str:
+    """Every partial-reuse row against ``base_name`` on the same questions, with
+    90% intervals.
 
-    Empty when the payload has no per-question lists (older runs) or no turbo row.
+    Empty when the payload has no per-question lists (older runs) or no such row.
     Means over a few dozen questions are noisy; resampling the questions (pairs
     kept together) shows which differences the sample supports.
     """
-    base = next((r for r in payload["results"] if r["strategy"] == "turbo"), None)
+    base = next((r for r in payload["results"] if r["strategy"] == base_name), None)
     if base is None or len(base.get("kl_per_item", [])) < 2:
         return ""
     rows = []
     for r in payload["results"]:
-        if r["strategy"] in ("full", "turbo") or "kl_per_item" not in r:
+        if r["strategy"] in ("full", "turbo", base_name) or "kl_per_item" not in r:
             continue
         kl, f1 = r["kl_per_item"], r["f1_vs_full_per_item"]
         ratio, lo, hi = paired_bootstrap(kl, base["kl_per_item"])
@@ -350,11 +354,11 @@ def paired_table(payload: dict[str, Any]) -> str:
             ]
         )
     headers = [
-        "against turbo, same questions",
-        "KL / turbo's KL (90% CI)",
+        f"against {base_name}, same questions",
+        f"KL / {base_name}'s KL (90% CI)",
         "questions with lower KL",
         "F1 vs full (90% CI)",
-        "F1 vs full minus turbo's (90% CI)",
+        f"F1 vs full minus {base_name}'s (90% CI)",
     ]
     return markdown_table(headers, rows) if rows else ""
 
