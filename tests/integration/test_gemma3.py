@@ -112,3 +112,22 @@ def test_default_prompt_starts_with_bos(gemma: KVRAGEngine) -> None:
     assert prompt.input_ids[0] == gemma.tokenizer.bos_token_id == 2
     assert int((prompt.input_ids == 2).sum()) == 1
     assert gemma.tokenizer.decode(prompt.input_ids).endswith("Question: Who?\nAnswer:")
+
+
+def test_sink_context_chunk_after_bos_is_exact(gemma: KVRAGEngine) -> None:
+    """Entries encoded behind BOS (its rows dropped): a chunk right after the
+    prompt's own BOS is where it was encoded, so turbo equals full; blend at 1.0
+    with query-driven selection equals full on a two-chunk prompt."""
+    sink = KVRAGEngine(
+        gemma.loaded, chunk_context="sink", cache_precision="model", on_miss="encode"
+    )
+    bos = Text(gemma.tokenizer.bos_token, markup=True)
+    segments = [bos, Chunk(CHUNKS[1]), Text(QUESTION)]
+    full = first_logits(sink, "full", segments)
+    first_logits(sink, "turbo", segments)  # encodes the chunk behind BOS
+    pre = sink.prefill(segments, strategy="turbo", chat_template=False)
+    assert pre.token_counts()[0] > 0 and pre.prompt.pieces[1].stored_at == 1
+    torch.testing.assert_close(pre.logits, full, atol=1e-3, rtol=1e-4)
+    two = [bos, Text("Context:\n"), Chunk(CHUNKS[0]), Text("\n"), Chunk(CHUNKS[1]), Text(QUESTION)]
+    one = first_logits(sink, "blend", two, recompute_ratio=1.0, selection="query")
+    torch.testing.assert_close(one, first_logits(sink, "full", two), atol=1e-3, rtol=1e-4)
