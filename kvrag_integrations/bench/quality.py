@@ -173,7 +173,7 @@ def gold_loglik(
     return answer_loglik(engine.model, pre.output.kv, pre.logits, ids)
 
 
-def _engine_for(
+def engine_for(
     engine: KVRAGEngine, settings: dict[str, Any], engines: dict[tuple, KVRAGEngine]
 ) -> KVRAGEngine:
     """``engine``, or one over its weights with other engine ``settings``."""
@@ -234,7 +234,7 @@ def run(
             row = per[label(name, options)]
             options = dict(options)
             settings = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
-            runner = _engine_for(engine, settings, engines)
+            runner = engine_for(engine, settings, engines)
             runner.encode_chunks(chunks, show_progress=False)
             ttfts, result = [], None
             for _ in range(max(1, repeats)):

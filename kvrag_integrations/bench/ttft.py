@@ -8,8 +8,25 @@ from typing import Any
 
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, markdown_table, timed, trimmed_chunks
-from kvrag_integrations.bench.quality import DEFAULT_STRATEGIES, label
+from kvrag_integrations.bench.quality import (
+    DEFAULT_STRATEGIES,
+    ENGINE_OPTIONS,
+    engine_for,
+    label,
+)
 from kvrag_integrations.engine.engine import KVRAGEngine
+
+# Issue 21's candidates for the default blend beside today's (their fidelity:
+# the quality suite's "context" presets); rows with ``chunk_context`` run on an
+# engine of their own over the same weights, with its own entries.
+CONTEXT: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("turbo", {}),
+    ("blend", {"recompute_ratio": 0.15}),
+    ("blend", {"recompute_ratio": 0.15, "selection": "query", "chunk_context": "sink"}),
+    ("turbo", {"chunk_context": "sink"}),
+]
+PRESETS = {"default": DEFAULT_STRATEGIES, "context": CONTEXT}
 
 QUICK = {
     "items": 1,
@@ -40,13 +57,22 @@ def run(
     ]
     all_chunks = [c for _, chunks in prompts for c in chunks]
     encode_s, _ = timed(lambda: engine.encode_chunks(all_chunks, show_progress=False), 1, 0)
+    engines: dict[tuple, KVRAGEngine] = {}
+    rows_of = []
+    for name, options in strategies:
+        options = dict(options)
+        settings = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
+        runner = engine_for(engine, settings, engines)
+        if runner is not engine:
+            runner.encode_chunks(all_chunks, show_progress=False)
+        rows_of.append((label(name, {**options, **settings}), runner, name, options))
     per_strategy: dict[str, list[float]] = {}
     prompt_tokens = []
     for question, chunks in prompts:
-        for name, options in strategies:
+        for row, runner, name, options in rows_of:
             request = dict(question=question, chunks=chunks, strategy=name, **options)
-            ttft, _ = timed(lambda r=request: engine.generate(max_new_tokens=1, **r), repeats)
-            per_strategy.setdefault(label(name, options), []).append(ttft)
+            ttft, _ = timed(lambda e=runner, r=request: e.generate(max_new_tokens=1, **r), repeats)
+            per_strategy.setdefault(row, []).append(ttft)
         pre = engine.prefill(question=question, chunks=chunks, strategy="full")
         prompt_tokens.append(pre.prompt.num_tokens)
     base = statistics.median(per_strategy["full"])

@@ -170,6 +170,12 @@ def test_paired_table_compares_each_blend_row_with_turbo_on_the_same_questions()
     lines = quality.paired_table(payload).splitlines()
     assert len(lines) == 3 and lines[2].startswith("| blend@0.15 | 0.64 (")
     assert "| 3/4 | 0.75 (" in lines[2] and "| +0.12 (" in lines[2]
+    payload["results"].append(row("blend(recompute_ratio=0.15, x=1)", [0.1] * 4, [1.0] * 4))
+    both = quality.table({**payload, "results": [
+        {**r, "ttft_ms": 1.0, "speedup": 1.0, "kl_vs_full": 0.1, "top1_vs_full": 1.0,
+         "f1_vs_full": 1.0, "f1_gold": 0.0} for r in payload["results"]]})  # fmt: skip
+    assert "| against blend@0.15, same questions |" in both
+    assert "| blend(recompute_ratio=0.15, x=1) | 0.44 (" in both.split("against blend@0.15")[1]
     # Older payloads without per-question lists render the plain table only.
     assert quality.paired_table({"results": [{"strategy": "turbo"}]}) == ""
     with pytest.raises(ValueError, match="same non-empty"):
@@ -188,3 +194,15 @@ def test_agreement_preset_ends_at_full_prefill_by_the_layered_path(engine, tmp_p
     assert rows["blend@1"]["kl_vs_full"] < 1e-6 and rows["blend@1"]["f1_vs_full"] == 1
     assert rows["turbo"]["kl_vs_full"] > 1e-3  # the ends of the axis differ measurably
     assert all(r["gold_loglik"] is None for r in rows.values())  # --no-loglik
+
+
+def test_ttft_context_preset_runs_engine_settings_on_their_own_engine(engine, tmp_path) -> None:
+    """A row with ``chunk_context`` reads entries encoded behind BOS, not the base
+    engine's: its prefill reuses chunk tokens (TTFT of a hit, not of a miss)."""
+    main(["ttft", "--preset", "context", "--quick", "--out", str(tmp_path)])
+    payload = _strict((tmp_path / "ttft-context.json").read_text())
+    names = [r["strategy"] for r in payload["results"]]
+    assert names == ["full", "turbo", "blend@0.15",
+                     "blend(recompute_ratio=0.15, selection=query, chunk_context=sink)",
+                     "turbo(chunk_context=sink)"]  # fmt: skip
+    assert all(r["ttft_ms"] > 0 for r in payload["results"])
