@@ -2,7 +2,8 @@
 
 Suites: ``ttft`` (TTFT of every strategy), ``scaling`` (TTFT against the number
 and length of chunks, with the query-only floor), ``quality`` (speed and
-fidelity to full prefill, F1 and log-likelihood against gold), ``rerank``
+fidelity to full prefill, F1 and log-likelihood against gold), ``attention``
+(where the question's attention over reused chunks goes, per layer), ``rerank``
 (reranker throughput with and without reuse, recall@1/@3; one file per ``--scoring``), ``peer``
 (LlamaIndex's HuggingFaceLLM against KVRAGLLM), ``memory`` (stored bytes per
 token and store read throughput), ``cold`` (a request on uncached chunks: KVRAGLLM
@@ -25,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from kvrag_integrations.bench import (
+    attention,
     cold,
     memory,
     peer,
@@ -48,6 +50,7 @@ SUITES: dict[str, ModuleType] = {
     "ttft": ttft,
     "scaling": scaling,
     "quality": quality,
+    "attention": attention,
     "rerank": rerank,
     "peer": peer,
     "memory": memory,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag_integrations.bench import (
+    attention,
     cold,
     memory,
     peer,
@@ -39,6 +40,7 @@ SECTIONS = [
     ("quality-agreement", quality, "CacheBlend: answer agreement with full as recompute nears 1"),
     ("quality-precision", quality, "Turbo from caches stored in each precision"),
     ("quality-suffix", quality, "The chunk suffix read with its chunk, or computed per request"),
+    ("attention", attention, "Where the question's attention over reused chunks goes, per layer"),
     ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
     ("cold", cold, "Cold requests (chunks not cached yet): never slower than no reuse"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),

@@ -74,6 +74,21 @@ def test_quality_numbers(results: Path) -> None:
     assert rows["turbo"]["recomputed_tokens"] == 0 < rows["blend@0.15"]["recomputed_tokens"]
 
 
+def test_attention_shares_per_layer(results: Path) -> None:
+    """Chunks encoded alone pull the question's deep-layer attention onto their first
+    tokens (spurious sinks); behind BOS they do not."""
+    payload = _strict((results / "attention.json").read_text())
+    alone, sink = payload["contexts"]["alone"], payload["contexts"]["sink"]
+    layers = len(alone["chunk_start_share"])
+    assert layers == 30 and payload["summed_layers"] == "7-29"
+    for context in (alone, sink):
+        assert all(
+            0 <= x <= 1 for x in context["chunk_start_share"] + context["overlap_with_summed"]
+        )
+    deep = slice(layers // 2, layers)
+    assert min(alone["chunk_start_share"][deep]) > 2 * max(sink["chunk_start_share"][deep])
+
+
 def test_scaling_points_and_floor(results: Path) -> None:
     payload = _strict((results / "scaling.json").read_text())
     assert [p["n_chunks"] for p in payload["chunks"]] == [1, 2]
