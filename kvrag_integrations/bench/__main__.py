@@ -96,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smoke run: 2 items, tiny sizes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG files")
     p.add_argument("--out", default="bench_results")
+    p.add_argument(
+        "--tag", default=None, help="append to the result files' name (runs side by side)"
+    )
     return p
 
 
@@ -138,6 +141,8 @@ def run_suite(
     out_name = name if args.preset in (None, "default") else f"{name}-{args.preset}"
     if name == "rerank" and args.scoring:  # one result file per scoring, side by side
         out_name = f"{out_name}-{args.scoring}"
+    if args.tag:  # e.g. one file per model or prompt shape
+        out_name = f"{out_name}-{args.tag}"
     path = write_results(args.out, out_name, payload, text)
     pngs = []
     plot = not args.no_plots and args.preset in (None, "default") and hasattr(module, "plot")
