@@ -119,10 +119,18 @@ CONTEXT: list[tuple[str, dict[str, Any]]] = [
     ("turbo", {"chunk_context": "sink"}),
     ("turbo", {"key_temperature": 0.9}),
     ("blend", {"recompute_ratio": 0.15}),
-    ("blend", {"recompute_ratio": 0.15, "chunk_context": "sink"}),
+    ("blend", {"recompute_ratio": 0.15, "selection": "deviation", "chunk_context": "sink"}),
     ("blend", {"recompute_ratio": 0.15, "selection": "query", "keep_chunk_starts": 1}),
     ("blend", {"recompute_ratio": 0.15, "selection": "query", "chunk_context": "sink"}),
-    ("blend", {"recompute_ratio": 0.15, "recompute_first": 4, "chunk_context": "sink"}),
+    (
+        "blend",
+        {
+            "recompute_ratio": 0.15,
+            "selection": "deviation",
+            "recompute_first": 4,
+            "chunk_context": "sink",
+        },
+    ),
 ]
 
 # The same on whole passages (~6k-token prompts, the costly shape), without the

@@ -188,3 +188,21 @@ def test_key_temperature_is_checked(bad: object) -> None:
 def test_selection_options_are_checked(options: dict) -> None:
     with pytest.raises(ValueError):
         CacheBlend(**options)
+
+
+def test_auto_selection_follows_the_encoding_context(model: LoadedModel) -> None:
+    """``selection="auto"`` (the default) is query-driven over chunks encoded behind
+    a sink and deviation-driven over chunks encoded alone."""
+    sink = sink_prompt()
+    alone = TokenizedPrompt([replace(p, stored_at=0) for p in sink.pieces])
+    empty = torch.zeros(0, dtype=torch.long)
+    for prompt, kvs, expected in (
+        (sink, sink_kvs(model, sink), "query"),
+        (alone, sink_kvs(model, sink, empty), "deviation"),
+    ):
+        auto = CacheBlend(recompute_ratio=0.3)
+        assert auto.selection == "auto" and auto.selection_for(prompt) == expected
+        got = auto.prefill(model, prompt, kvs)
+        want = CacheBlend(recompute_ratio=0.3, selection=expected).prefill(model, prompt, kvs)
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+        assert torch.equal(got.reused_mask, want.reused_mask)
