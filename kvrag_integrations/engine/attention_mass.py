@@ -32,6 +32,8 @@ class AttentionMass:
     queries and ``layers`` (each layer contributes ``rows * heads`` in all)."""
 
     def __init__(self, layers: set[int], rows: int) -> None:
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
         self.layers = layers
         self.rows = rows
         self.mass: torch.Tensor | None = None

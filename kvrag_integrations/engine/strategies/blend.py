@@ -202,7 +202,8 @@ class CacheBlend(ChunkReuse):
         if max(layers) >= n_layers:
             raise ValueError(f"query_layers {max(layers)} >= the model's {n_layers} layers")
         # The question: the computed rows after the last candidate token.
-        tail = int((todo > int(candidates.nonzero().max())).sum())
+        # (At least the last row, which is always computed: a prompt may end in a chunk.)
+        tail = max(1, int((todo > int(candidates.nonzero().max())).sum()))
         with attention_mass(model.model, set(layers), tail) as mass:
             # A plug-in keeps the rows in one forward, so "last rows" is the question.
             run_tokens(model.model, model.layout, kv, todo, on_update=_write_all)
