@@ -206,3 +206,14 @@ def test_auto_selection_follows_the_encoding_context(model: LoadedModel) -> None
         want = CacheBlend(recompute_ratio=0.3, selection=expected).prefill(model, prompt, kvs)
         torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
         assert torch.equal(got.reused_mask, want.reused_mask)
+
+
+def test_query_selection_on_a_prompt_ending_in_a_chunk(model: LoadedModel) -> None:
+    """The last row (always computed) is then the only query: still a valid selection."""
+    prompt = prompt_of((ids(6, 50), "text"), (ids(12, 51), "chunk"), (ids(10, 52), "chunk"))
+    kvs = sink_kvs(model, prompt, torch.zeros(0, dtype=torch.long))
+    one = CacheBlend(recompute_ratio=1.0, selection="query").prefill(model, prompt, kvs)
+    assert_close(one.logits, full_logits(model, prompt))
+    half = CacheBlend(recompute_ratio=0.5, selection="query").prefill(model, prompt, kvs)
+    recomputed = int(half.chunk_mask.sum() - half.reused_mask.sum())
+    assert recomputed in (11, 12)  # half of 22 chunk tokens, and the last if not among them
