@@ -32,6 +32,7 @@ from kvrag_integrations.bench import (
 
 SECTIONS = [
     ("ttft", ttft, "Time to first token by strategy"),
+    ("ttft-context", ttft, "Time to first token of the blend candidates (encoding context)"),
     ("scaling", scaling, "TTFT vs number and length of chunks, with the query-only floor"),
     ("quality", quality, "Speed and fidelity on MuSiQue (whole passages)"),
     ("quality-ablation", quality, "CacheBlend refinements at recompute ratio 0.15"),
