@@ -25,14 +25,13 @@ DEFAULT_STRATEGY = TurboRAG.name
 """The strategy of every entry point that is not told one (engine, adapters, CLI, demo).
 
 On the published figures (docs/benchmarks.md: the bundled model, 2 CPU threads)
-turbo cuts TTFT about 42x against full prefill and blend@0.15 about 4.2x;
-blend@0.15's first-token KL to full is 0.67x turbo's (90% CI 0.50-0.95) and its
-greedy answers agree with full's 0.67 against turbo's 0.62. A modest fidelity
-gain for about 10x turbo's TTFT: turbo is the default, blend the option when
-fidelity matters more than latency. On an engine with ``chunk_context="sink"``
-blend selects by the question's attention (``selection="auto"``), and its KL on
-whole passages drops to 0.26x turbo's, at the same TTFT (docs/benchmarks.md,
-"CacheBlend: what helps and what hurts").
+turbo cuts TTFT about 38x against full prefill and blend@0.15 about 4x, at
+about 10x turbo's TTFT: turbo is the default, blend the option when fidelity
+matters more than latency. On an engine with ``chunk_context="sink"`` blend
+selects by the question's attention (``selection="auto"``), and its first-token
+KL to full is 0.26x turbo's on whole passages and 0.64x on short chunks with the
+bundled model, 0.15x on Gemma-3's short chunks (docs/benchmarks.md, "CacheBlend:
+what helps and what hurts, on two models").
 """
 
 
