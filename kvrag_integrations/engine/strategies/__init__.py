@@ -30,8 +30,9 @@ about 10x turbo's TTFT: turbo is the default, blend the option when fidelity
 matters more than latency. On an engine with ``chunk_context="sink"`` blend
 selects by the question's attention (``selection="auto"``), and its first-token
 KL to full is 0.26x turbo's on whole passages and 0.64x on short chunks with the
-bundled model, 0.15x on Gemma-3's short chunks (docs/benchmarks.md, "CacheBlend:
-what helps and what hurts, on two models").
+bundled model, 0.15x on Gemma-3's short chunks; on Gemma-3's whole passages the
+default engine's blend is better (docs/benchmarks.md, "CacheBlend: what helps
+and what hurts, on two models").
 """
 
 
