@@ -150,7 +150,8 @@ class PromptCache(Cache):
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         layer_idx: int,
-        cache_kwargs: dict[str, Any] | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.writer.write(key_states, value_states, layer_idx)
         keys, values = self.writer.kv.keys[layer_idx], self.writer.kv.values[layer_idx]
@@ -179,10 +180,11 @@ class _WholePrefixCache(DynamicCache):
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         layer_idx: int,
-        cache_kwargs: dict[str, Any] | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.writer.write(key_states, value_states, layer_idx)
-        return super().update(key_states, value_states, layer_idx, cache_kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def visible(rows: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
