@@ -74,6 +74,7 @@ def answer_loglik(lm: Any, kv: Any, first_logits: torch.Tensor, answer_ids: torc
         The mean over the answer's tokens of log p(token | prompt, previous answer tokens).
     """
     from kvrag_integrations.engine.generate import to_dynamic_cache
+    from kvrag_integrations.engine.hf_compat import cache_argument
 
     ids = answer_ids.to(lm.device)
     if ids.numel() == 0:
@@ -85,7 +86,7 @@ def answer_loglik(lm: Any, kv: Any, first_logits: torch.Tensor, answer_ids: torc
         out = lm(
             input_ids=ids[:-1].unsqueeze(0),
             position_ids=positions.unsqueeze(0),
-            past_key_values=to_dynamic_cache(kv),
+            **cache_argument(lm, to_dynamic_cache(kv)),
             use_cache=True,
         )
         rest = torch.log_softmax(out.logits[0].float(), dim=-1)

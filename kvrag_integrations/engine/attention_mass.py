@@ -13,15 +13,19 @@ model's forward lock, so no other forward sees it.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvrag_integrations.engine.hf_compat import (
+    attention_function,
+    attn_implementation,
+    register_attention,
+    set_attn_implementation,
+)
 
 _NAME = "kvrag_attention_mass"
 _active = threading.local()
@@ -76,14 +80,13 @@ def _mass_attention(
 ) -> tuple[torch.Tensor, Any]:
     """The model's own attention; records weights on the layers asked for."""
     recorder: AttentionMass = _active.recorder
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(_active.inner, eager)
+    inner = attention_function(_active.inner, module)
     if getattr(module, "layer_idx", None) in recorder.layers:
         recorder.add(query, key, attention_mask, kwargs.get("scaling"), kwargs.get("softcap"))
     return inner(module, query, key, value, attention_mask, **kwargs)
 
 
-AttentionInterface.register(_NAME, _mass_attention)
+register_attention(_NAME, _mass_attention)
 
 
 @contextmanager
@@ -95,12 +98,12 @@ def attention_mass(lm: Any, layers: set[int], rows: int) -> Iterator[AttentionMa
     cache does): the model's mask builders do not know this implementation.
     """
     config = lm.config
-    inner = config._attn_implementation
+    inner = attn_implementation(config)
     recorder = AttentionMass(set(layers), rows)
     _active.recorder, _active.inner = recorder, inner
-    config._attn_implementation = _NAME
+    set_attn_implementation(config, _NAME)
     try:
         yield recorder
     finally:
-        config._attn_implementation = inner
+        set_attn_implementation(config, inner)
         _active.recorder = _active.inner = None

@@ -9,16 +9,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from kvrag_integrations.chunk_kv import ChunkKV
-
-
-def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[(keys, values), ...]`` per layer from a transformers cache object."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return [(cache.key_cache[i], cache.value_cache[i]) for i in range(len(cache.key_cache))]
+from kvrag_integrations.engine.hf_compat import (
+    DynamicCache,
+    cache_argument,
+    cache_layers,
+    output_cache,
+)
 
 
 @torch.no_grad()
@@ -54,10 +52,10 @@ def encode_chunk_batch(
     out = lm.model(
         input_ids=batch.to(device),
         attention_mask=mask.to(device),
-        past_key_values=DynamicCache(),
+        **cache_argument(lm.model, DynamicCache()),
         use_cache=True,
     )
-    layers = cache_layers(out.past_key_values)
+    layers = cache_layers(output_cache(out))
     keys = torch.stack([k for k, _ in layers])  # [L, B, H, T, D]
     values = torch.stack([v for _, v in layers])
     return [

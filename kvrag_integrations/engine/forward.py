@@ -29,8 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import Cache, DynamicCache
 
+from kvrag_integrations.engine.hf_compat import (
+    ForwardCache,
+    RecordingDynamicCache,
+    cache_argument,
+    model_mask,
+)
 from kvrag_integrations.engine.layout import ModelLayout
 from kvrag_integrations.errors import UnsupportedModelError
 
@@ -132,7 +137,7 @@ class _BufferWriter:
             raise StopForward
 
 
-class PromptCache(Cache):
+class PromptCache(ForwardCache):
     """A transformers cache over a :class:`PromptKV` buffer, for one forward.
 
     The forward computes the tokens at sequence indices ``rows``; each layer's
@@ -141,17 +146,12 @@ class PromptCache(Cache):
     """
 
     def __init__(self, writer: _BufferWriter) -> None:
-        super().__init__(layers=[])
+        super().__init__()
         self.writer = writer
         self.end = writer.end
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        *args: Any,
-        **kwargs: Any,
+    def write(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.writer.write(key_states, value_states, layer_idx)
         keys, values = self.writer.kv.keys[layer_idx], self.writer.kv.values[layer_idx]
@@ -160,31 +160,13 @@ class PromptCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.end
 
-    @property
-    def is_compileable(self) -> bool:
-        return False
 
-
-class _WholePrefixCache(DynamicCache):
+def _whole_prefix_cache(writer: _BufferWriter) -> RecordingDynamicCache:
     """For rows ``0..n-1``, every token from the first: nothing cached is visible,
     so this is the model's own prefill (its masks, its fused causal kernel) on a
     config-less ``DynamicCache`` (every token kept on sliding layers too), with
     each layer's K/V also written to the prompt buffer."""
-
-    def __init__(self, writer: _BufferWriter) -> None:
-        super().__init__()
-        self.writer = writer
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.writer.write(key_states, value_states, layer_idx)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+    return RecordingDynamicCache(writer.write)
 
 
 def visible(rows: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
@@ -205,14 +187,6 @@ def additive_masks(
         seen = visible(rows, total, window)
         mask = torch.zeros(seen.shape, dtype=dtype, device=rows.device)
         masks[layer_type] = mask.masked_fill_(~seen, torch.finfo(dtype).min)[None, None]
-    return masks
-
-
-def model_mask(masks: dict[str, torch.Tensor]) -> Any:
-    """What the model's forward takes as ``attention_mask``: a dict by layer type
-    where its layers differ, else the one 4D mask."""
-    if len(masks) == 1:
-        return next(iter(masks.values()))
     return masks
 
 
@@ -268,7 +242,7 @@ def _forward(
 ) -> torch.Tensor | None:
     writer = _BufferWriter(kv, rows, on_update, stop_after)
     if writer.end == rows.numel():  # rows are 0..n-1: a plain prefill
-        cache, mask = _WholePrefixCache(writer), None
+        cache, mask = _whole_prefix_cache(writer), None
     else:
         cache = PromptCache(writer)
         mask = model_mask(additive_masks(layout, rows, writer.end, kv.dtype))
@@ -277,7 +251,7 @@ def _forward(
             input_ids=kv.input_ids.to(rows.device)[rows][None],
             position_ids=kv.positions.to(rows.device)[rows][None],
             attention_mask=mask,
-            past_key_values=cache,
+            **cache_argument(lm, cache),
             use_cache=True,
             logits_to_keep=1,
         )

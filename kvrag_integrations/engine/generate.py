@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrag_integrations.engine.forward import PromptKV
+from kvrag_integrations.engine.hf_compat import cache_argument, layered_cache
 
 # Sampling arguments and their checks live in sampling.py; imported from here too.
 from kvrag_integrations.engine.sampling import (
@@ -111,19 +112,6 @@ class GenerationResult:
 def to_dynamic_cache(kv: PromptKV) -> Any:
     """A transformers DynamicCache holding the prompt K/V (views, no copy)."""
     return layered_cache([k[None] for k in kv.keys], [v[None] for v in kv.values])
-
-
-def layered_cache(
-    keys: Sequence[torch.Tensor] | torch.Tensor, values: Sequence[torch.Tensor] | torch.Tensor
-) -> Any:
-    """A transformers DynamicCache of per-layer K/V, each ``[batch, kv_heads, tokens,
-    head_dim]`` (a list, or a tensor stacked by layer; views, no copy)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        cache.update(k, v, layer)
-    return cache
 
 
 _CRITERIA: dict[tuple[int, tuple[str, ...]], tuple[Any, StopStringCriteria | None]] = {}
@@ -287,7 +275,7 @@ def decode(
         out = lm(
             input_ids=torch.tensor([[token]], device=lm.device),
             position_ids=torch.tensor([[position]], device=lm.device),
-            past_key_values=cache,
+            **cache_argument(lm, cache),
             use_cache=True,
             logits_to_keep=1,
         )

@@ -15,14 +15,21 @@ class name, then a case to ``tests/unit/test_families.py``.
 
 from __future__ import annotations
 
-import inspect
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvrag_integrations.engine.hf_compat import (
+    apply_rotary_pos_emb,
+    attn_implementation,
+    decoder_layers,
+    rope_parameters,
+    rotary_cos_sin,
+    rotary_inv_freq,
+    self_attention,
+)
 from kvrag_integrations.engine.rope import rotate_keys, rotation, shift_keys
 from kvrag_integrations.errors import UnsupportedModelError
 
@@ -91,6 +98,8 @@ class ModelLayout:
         windows: each layer's sliding window (None: full attention).
         rotary: per layer type, how its stored keys move to a new position.
         attn_implementation: the attention kernel the model runs.
+        refused: why reuse is off for this model although it could run
+            (``load_model(reuse=False)``), or None.
     """
 
     architecture: str
@@ -101,10 +110,13 @@ class ModelLayout:
     windows: tuple[int | None, ...]
     rotary: dict[str, RotaryShift]
     attn_implementation: str
+    refused: str | None = None
 
     @property
     def reuse_refused(self) -> str | None:
-        """Why reuse strategies cannot run with this attention kernel, or None."""
+        """Why reuse strategies cannot run on this model, or None."""
+        if self.refused:
+            return self.refused
         if self.attn_implementation in MASKED_ATTENTION:
             return None
         return (
@@ -133,15 +145,14 @@ class ModelLayout:
                 f"{_WHAT_WORKS}"
             )
         config = lm.config
-        inner = lm.model
-        attn = inner.layers[0].self_attn
-        num_layers = len(inner.layers)
+        attn = self_attention(lm)
+        num_layers = len(decoder_layers(lm))
         head_dim = int(attn.head_dim)
         kv_heads = int(config.num_key_value_heads or config.num_attention_heads)
         types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
         windows = tuple(_window(config, t) for t in types)
         rotary = {t: _rotary_shift(lm, t, arch) for t in dict.fromkeys(types)}
-        impl = str(getattr(config, "_attn_implementation", None) or "eager")
+        impl = attn_implementation(config)
         return cls(arch, num_layers, kv_heads, head_dim, types, windows, rotary, impl)
 
 
@@ -156,7 +167,7 @@ def _window(config: Any, layer_type: str) -> int | None:
 
 def rope_type(config: Any, layer_type: str | None = None) -> str:
     """The RoPE variant of a config (of one layer type, where they differ)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = rope_parameters(config)
     if params and layer_type in params and isinstance(params[layer_type], dict):
         params = params[layer_type]
     if not params:
@@ -179,18 +190,13 @@ def _rotary_shift(lm: Any, layer_type: str, arch: str) -> RotaryShift:
             f"so cached keys cannot be moved exactly (supported: {sorted(STATIC_ROPE_TYPES)}); "
             f"{_WHAT_WORKS}"
         )
-    rotary_emb = lm.model.rotary_emb
-    inv_freq = getattr(rotary_emb, f"{layer_type}_inv_freq", None)
-    if inv_freq is None:
-        inv_freq = getattr(rotary_emb, "inv_freq", None)
-    apply = getattr(
-        sys.modules[type(lm.model.layers[0].self_attn).__module__], "apply_rotary_pos_emb", None
-    )
+    inv_freq = rotary_inv_freq(lm, layer_type)
+    apply = apply_rotary_pos_emb(lm)
     if inv_freq is None or apply is None:
         raise UnsupportedModelError(f"{arch}: no rotary frequencies to move cached keys by")
-    cos_sin = _model_cos_sin(rotary_emb, layer_type)
+    cos_sin = rotary_cos_sin(lm, layer_type)
     inv_freq = inv_freq.detach().float().cpu()
-    head_dim = int(lm.model.layers[0].self_attn.head_dim)
+    head_dim = int(self_attention(lm).head_dim)
     for interleaved in (False, True):
         candidate = RotaryShift(inv_freq, interleaved)
         if _reproduces(candidate, apply, cos_sin, head_dim):
@@ -199,23 +205,6 @@ def _rotary_shift(lm: Any, layer_type: str, arch: str) -> RotaryShift:
         f"{arch}: its rotary embedding is neither rotate-half nor interleaved over "
         f"inv_freq, so cached keys cannot be moved exactly; {_WHAT_WORKS}"
     )
-
-
-def _model_cos_sin(rotary_emb: Any, layer_type: str) -> Callable[[torch.Tensor], tuple]:
-    """``positions -> (cos, sin)`` from the model's rotary module, without attention scaling."""
-    per_type = len(inspect.signature(rotary_emb.forward).parameters) >= 3
-    scaling = getattr(rotary_emb, f"{layer_type}_attention_scaling", None)
-    if scaling is None:
-        scaling = getattr(rotary_emb, "attention_scaling", 1.0)
-
-    def cos_sin(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        device = next((b.device for b in rotary_emb.buffers()), torch.device("cpu"))
-        x = torch.zeros(1, dtype=torch.float32, device=device)
-        pos = positions.to(device).unsqueeze(0)
-        cos, sin = rotary_emb(x, pos, layer_type) if per_type else rotary_emb(x, pos)
-        return (cos / scaling).cpu(), (sin / scaling).cpu()
-
-    return cos_sin
 
 
 def _reproduces(candidate: RotaryShift, apply: Callable, cos_sin: Callable, head_dim: int) -> bool:

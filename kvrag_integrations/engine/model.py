@@ -17,15 +17,17 @@ import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvrag_integrations.chunk_kv import FORMAT_VERSION
+from kvrag_integrations.engine.hf_compat import prefer_grouped_sdpa
 from kvrag_integrations.engine.host_memory import keep_freed_memory
 from kvrag_integrations.engine.layout import ModelLayout
+from kvrag_integrations.engine.self_check import check_reuse
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +143,7 @@ def load_model(
     adapter: str | os.PathLike | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    reuse: bool = True,
 ) -> LoadedModel:
     """Load a supported decoder and its tokenizer.
 
@@ -152,9 +155,15 @@ def load_model(
         trust_remote_code: passed to transformers.
         attn_implementation: ``"sdpa"`` or ``"eager"``; None lets transformers pick
             what the model supports (Gemma2's softcapping needs eager).
+        reuse: False turns KV reuse off for this model (every reuse strategy
+            then raises ``UnsupportedModelError``; ``strategy="full"`` works) and
+            skips the load-time self-check: for a transformers or torch release
+            whose self-check fails.
 
     Raises:
-        UnsupportedModelError: an architecture KV reuse is not verified for.
+        UnsupportedModelError: an architecture KV reuse is not verified for, or
+            reuse failing its load-time self-check (``engine.self_check``) on the
+            installed transformers and torch.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -166,7 +175,7 @@ def load_model(
         # reuse strategies always pass a mask over the whole prompt cache, so
         # the copies cost ~12% of turbo's TTFT. Same results; a user's own
         # setting wins.
-        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+        prefer_grouped_sdpa()
         # Each request's prompt cache is freed at its end; glibc would hand it
         # back to the OS and the next request page-fault it again (turbo's TTFT
         # 2.5x its floor at 16 chunks). KVRAG_KEEP_FREED_MEMORY=0 turns it off.
@@ -183,6 +192,12 @@ def load_model(
         lm = _merge_adapter(lm, adapter)
     lm.to(dev).eval()
     layout = ModelLayout.of(lm)
+    if not reuse:
+        layout = replace(
+            layout, refused='reuse turned off at load (reuse=False); use strategy="full"'
+        )
+    elif layout.reuse_refused is None:
+        check_reuse(lm, layout)  # exact or refused, on the installed transformers
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     extra = adapter_identity(adapter) if adapter is not None else ""

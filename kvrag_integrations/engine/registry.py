@@ -213,6 +213,7 @@ class EngineLoading:
         attn_implementation: str | None = None,
         share: bool | None = None,
         cache_precision: str = "float16",
+        reuse: bool = True,
         **engine_options: Any,
     ) -> KVRAGEngine:
         """Load a model (HF id, local path, ``.gguf`` file; None = bundled SmolLM2).
@@ -236,6 +237,8 @@ class EngineLoading:
             cache_precision: how chunk caches are stored: ``"float16"`` (default),
                 ``"bfloat16"``, ``"int8"`` or ``"model"`` (full precision); see
                 ``KVRAGEngine``.
+            reuse: False turns KV reuse off (only ``strategy="full"`` answers) and
+                skips the load-time self-check; see ``engine.model.load_model``.
             **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending``,
                 ``chunk_suffix``, ``chunk_context`` (see ``KVRAGEngine``).
         """
@@ -248,6 +251,7 @@ class EngineLoading:
             adapter=adapter,
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
+            reuse=reuse,
         )
         engine = cls(loaded, store=store, cache_precision=cache_precision, **engine_options)
         if share or (share is None and adapter is None):

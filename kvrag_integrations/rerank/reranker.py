@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
+from kvrag_integrations.engine.hf_compat import cache_argument
 from kvrag_integrations.engine.segments import check_text, check_texts
 from kvrag_integrations.errors import UnsupportedModelError
 from kvrag_integrations.rerank.scoring import batch_cache, batch_inputs, judge, query_likelihood
@@ -344,7 +345,7 @@ class KVReranker:
                 input_ids=input_ids.to(device),
                 position_ids=positions.to(device),
                 attention_mask=mask.to(device) if mask is not None else None,
-                past_key_values=cache,
+                **cache_argument(self.engine.model, cache),
                 use_cache=cache is not None,
                 logits_to_keep=n_query + 1 if n_query else 1,
             )

@@ -20,13 +20,13 @@ import pytest
 import test_families as families
 import torch
 from test_families import THREE_CHUNKS, assert_close, full_logits, ids, prompt_of
-from transformers import DynamicCache
 
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.engine.attention_mass import attention_mass
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.entries import attach_suffix
 from kvrag_integrations.engine.forward import PromptKV, run_tokens
+from kvrag_integrations.engine.hf_compat import DynamicCache, cache_argument
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies import CacheBlend, TurboRAG
@@ -94,7 +94,7 @@ def sink_copies_reference(model: LoadedModel, prompt: TokenizedPrompt) -> torch.
         input_ids=ids_all[None],
         position_ids=pos_all[None],
         attention_mask=mask,
-        past_key_values=DynamicCache(),
+        **cache_argument(model.model, DynamicCache()),
         use_cache=True,
     )
     return out.logits[0, -1].float()

@@ -26,6 +26,7 @@ from kvrag_integrations import (
     UnsupportedModelError,
     cache_key,
 )
+from kvrag_integrations.engine.hf_compat import output_cache
 from kvrag_integrations.engine.layout import ModelLayout
 from kvrag_integrations.engine.rope import shift_keys
 
@@ -38,10 +39,10 @@ def test_rope_shift_matches_encoding_at_offset(engine: KVRAGEngine) -> None:
     """A chunk encoded at offset p equals the chunk encoded at 0 moved by p, every layer."""
     ids = engine.tokenize([Chunk(TOWER)]).input_ids.unsqueeze(0)
     inv_freq = engine.model.model.rotary_emb.inv_freq
-    at_zero = engine.model.model(input_ids=ids, use_cache=True).past_key_values
+    at_zero = output_cache(engine.model.model(input_ids=ids, use_cache=True))
     for p in (7, 300):
         pos = torch.arange(p, p + ids.shape[1]).unsqueeze(0)
-        at_p = engine.model.model(input_ids=ids, position_ids=pos, use_cache=True).past_key_values
+        at_p = output_cache(engine.model.model(input_ids=ids, position_ids=pos, use_cache=True))
         for layer0, layer_p in zip(at_zero.layers, at_p.layers):
             moved = shift_keys(layer0.keys, p, inv_freq)
             torch.testing.assert_close(moved, layer_p.keys, atol=2e-4, rtol=1e-4)

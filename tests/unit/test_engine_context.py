@@ -20,6 +20,7 @@ from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.chunk_kv import storage_fingerprint
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.entries import CHUNK_CONTEXTS, context_ids
+from kvrag_integrations.engine.hf_compat import output_cache
 from kvrag_integrations.store import DiskKVStore
 
 EXACT = dict(on_miss="encode", cache_precision="model")
@@ -58,7 +59,7 @@ def test_entries_are_encoded_behind_bos_and_its_rows_dropped(sink: KVRAGEngine) 
     ids = stored.token_ids
     bos = torch.tensor([sink.tokenizer.bos_token_id])
     full = sink.model.model(input_ids=torch.cat([bos, ids])[None], use_cache=True)
-    for layer, cache in enumerate(full.past_key_values.layers):
+    for layer, cache in enumerate(output_cache(full).layers):
         torch.testing.assert_close(stored.keys[layer], cache.keys[0, :, 1:], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(
             stored.values[layer], cache.values[0, :, 1:], atol=1e-5, rtol=1e-4

@@ -19,15 +19,17 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from kvrag_integrations.chunk_kv import QUANT_NAMES
 from kvrag_integrations.engine.chunk_caches import attach_suffix
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.generate import to_dynamic_cache
+from kvrag_integrations.engine.hf_compat import DynamicCache, cache_argument
 from kvrag_integrations.engine.layout import SUPPORTED_ARCHITECTURES, ModelLayout, RotaryShift
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.segments import Piece, TokenizedPrompt
+from kvrag_integrations.engine.self_check import check_reuse
 from kvrag_integrations.engine.strategies import CacheBlend, FullPrefill, TurboRAG
 from kvrag_integrations.errors import UnsupportedModelError
 
@@ -192,6 +194,11 @@ def test_a_turbo_with_leading_chunk_equals_full(model: LoadedModel) -> None:
     assert_close(turbo.logits, full_logits(model, prompt))
 
 
+def test_a_load_time_self_check_passes(model: LoadedModel) -> None:
+    """What ``load_model`` runs on every model: exact on every verified family."""
+    assert check_reuse(model.model, model.layout) < 1e-4
+
+
 LONG = ((ids(6, 20), "text"), (ids(70, 21), "chunk"), (ids(60, 22), "chunk"), (ids(9, 23), "text"))
 
 
@@ -234,7 +241,7 @@ def block_reference(model: LoadedModel, prompt: TokenizedPrompt) -> torch.Tensor
         input_ids=prompt.input_ids[None],
         position_ids=torch.arange(total)[None],
         attention_mask=mask,
-        past_key_values=DynamicCache(),
+        **cache_argument(model.model, DynamicCache()),
         use_cache=True,
     )
     return out.logits[0, -1].float()
@@ -257,7 +264,7 @@ def greedy(model: LoadedModel, kv: Any, logits: torch.Tensor, n: int = 8) -> lis
         step = model.model(
             input_ids=torch.tensor([[token]]),
             position_ids=torch.tensor([[position]]),
-            past_key_values=cache,
+            **cache_argument(model.model, cache),
             use_cache=True,
         )
         logits, position = step.logits[0, -1], position + 1

@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.chunks import cache_layers
 from kvrag_integrations.engine.forward import PromptKV
+from kvrag_integrations.engine.hf_compat import (
+    DynamicCache,
+    cache_argument,
+    cache_layers,
+    output_cache,
+)
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
@@ -35,11 +39,11 @@ class FullPrefill(Strategy):
         # layers too (the mask applies the window), so all layers stack.
         out = lm(
             input_ids=ids.unsqueeze(0),
-            past_key_values=DynamicCache(),
+            **cache_argument(lm, DynamicCache()),
             use_cache=True,
             logits_to_keep=1,
         )
-        layers = cache_layers(out.past_key_values)
+        layers = cache_layers(output_cache(out))
         kv = PromptKV(
             keys=[k[0] for k, _ in layers],
             values=[v[0] for _, v in layers],
