@@ -18,7 +18,8 @@ import functools
 import inspect
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "rotary_inv_freq",
     "self_attention",
     "set_attn_implementation",
+    "shallow_model",
     "versions",
 ]
 
@@ -201,6 +203,34 @@ def set_attn_implementation(config: Any, name: str) -> None:
 def decoder_layers(lm: Any) -> Any:
     """The decoder layers of a causal LM (``lm.model.layers``)."""
     return lm.model.layers
+
+
+class _VocabSlice(torch.nn.Module):
+    """The model's output projection restricted to its first ``vocab`` rows (a view)."""
+
+    def __init__(self, head: torch.nn.Linear, vocab: int) -> None:
+        super().__init__()
+        self.weight = head.weight[:vocab]
+        self.bias = head.bias[:vocab] if head.bias is not None else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight, self.bias)
+
+
+@contextmanager
+def shallow_model(lm: Any, layers: int, vocab: int) -> Iterator[None]:
+    """Within the block, the model's forward runs only its first ``layers`` decoder
+    layers (the same modules, layer indices and types unchanged: models index
+    ``config.layer_types`` by position, so it must be a prefix) and scores only
+    the first ``vocab`` tokens. Not thread-safe: only for a model nothing else
+    runs yet (at load)."""
+    blocks, head = decoder_layers(lm), lm.lm_head
+    lm.model.layers = torch.nn.ModuleList(list(blocks)[:layers])
+    lm.lm_head = _VocabSlice(head, vocab)
+    try:
+        yield
+    finally:
+        lm.model.layers, lm.lm_head = blocks, head
 
 
 def self_attention(lm: Any) -> Any:
