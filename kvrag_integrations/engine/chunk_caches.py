@@ -355,7 +355,11 @@ class ChunkCaches:
         storage form (the strategies' assembly casts or dequantizes them)."""
         device = self.loaded.device
         keys = [self.piece_key(p) for p in prompt.cached_pieces]
-        return [found[k].to(device) for k in keys]
+        # Host entries reach a CUDA device asynchronously: from pinned memory (the
+        # tiered store's host tier pins them) the copies overlap; the device's
+        # stream orders them before assembly reads them.
+        cuda = device.type == "cuda"
+        return [found[k].to(device, non_blocking=cuda) for k in keys]
 
     def for_prompt(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
         """Stored caches of the prompt's chunks; missing ones are encoded and stored.
