@@ -258,7 +258,9 @@ class KVRAGEngine(registry.EngineLoading):
         """Tokenize segments (each alone) into the prompt as turbo and blend read it:
         each chunk piece points at its entry, and takes the chunk suffix after it
         where the text continues with it (``ChunkCaches.attach_suffixes``)."""
-        return self.caches.attach_suffixes(tokenize_segments(self.tokenizer, segments))
+        # Chunks' ids come from ``caches.tokens``: a known chunk is not re-tokenized.
+        pieces = tokenize_segments(self.tokenizer, segments, self.caches.tokens.get)
+        return self.caches.attach_suffixes(pieces)
 
     def check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
         """Raise ``ContextWindowExceededError`` naming ``what`` if ``n_tokens`` prompt
