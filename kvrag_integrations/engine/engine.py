@@ -42,6 +42,7 @@ from kvrag_integrations.engine.streaming import (
 )
 from kvrag_integrations.errors import check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
+from kvrag_integrations.store.budget import memory_budget
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class KVRAGEngine(registry.EngineLoading):
 
         Args:
             loaded: the model (``load_model``).
-            store: where chunk caches live (default: an in-memory LRU).
+            store: where chunk caches live (default: an in-memory LRU bounded at a
+                share of the memory free on the model's device when the engine is
+                made: ``store.budget.memory_budget``).
             cache_prefix: cache the prompt's leading text like a chunk.
             on_miss: what a request does when chunks of its prompt are not cached:
                 ``"defer"`` (default) answers by plain prefill, never slower than
@@ -124,7 +127,9 @@ class KVRAGEngine(registry.EngineLoading):
         self.tokenizer = loaded.tokenizer
         self.caches = ChunkCaches(
             loaded,
-            store if store is not None else MemoryKVStore(),
+            # Sized from the memory free where entries live (the model's device:
+            # chunks are encoded there): store.budget.memory_budget.
+            store if store is not None else MemoryKVStore(memory_budget(loaded.device)),
             cache_precision,
             chunk_suffix,
             chunk_context,
