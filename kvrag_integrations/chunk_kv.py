@@ -44,7 +44,11 @@ def cache_key(fingerprint: str, token_ids: torch.Tensor | list[int]) -> str:
         >>> cache_key("fp", [1, 2, 3])[:12]
         '8a3b917b34bd'
     """
-    ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().contiguous()
+    ids = token_ids
+    # Keys are computed per request and chunk: no torch op for ids already in form.
+    if not (isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and not ids.is_cuda):
+        ids = torch.as_tensor(ids, dtype=torch.int64).cpu()
+    ids = ids.contiguous()
     digest = hashlib.sha256()
     digest.update(fingerprint.encode("utf-8"))
     digest.update(b"\x00")
@@ -108,6 +112,9 @@ class ChunkKV:
     value_zero: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        # Per-layer views by row count (``layer_rows``) and the key, made once
+        # and kept with the entry: not fields, not compared.
+        object.__setattr__(self, "_layer_rows", {})
         if self.keys.shape != self.values.shape or self.keys.dim() != 4:
             raise ValueError(
                 f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} "
@@ -147,8 +154,13 @@ class ChunkKV:
 
     @property
     def key(self) -> str:
-        """The store key: ``cache_key(fingerprint, token_ids)``."""
-        return cache_key(self.fingerprint, self.token_ids)
+        """The store key: ``cache_key(fingerprint, token_ids)`` (computed once: every
+        store read checks it, and an entry's fields never change)."""
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = cache_key(self.fingerprint, self.token_ids)
+            object.__setattr__(self, "_key", key)
+        return key
 
     @property
     def is_quantized(self) -> bool:
@@ -179,29 +191,77 @@ class ChunkKV:
         values = self.values.float() * self.value_scale.float() + self.value_zero.float()
         return keys.to(dtype), values.to(dtype)
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ChunkKV:
+    def layer_rows(self, rows: int) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Every stored tensor's first ``rows`` token rows, split per layer (views).
+
+        ``{"keys": (layer 0, layer 1, ...), "values": ...}``, each ``[kv_heads,
+        rows, head_dim]``; an int8 entry adds its scales and zero points, the keys'
+        (one per channel) expanded to ``rows``. Made once per entry and row count
+        and kept with it: assembling layer ``l`` of many chunks is then one ``cat``
+        over these, with no op per chunk (a prompt reads an entry's rows with or
+        without its chunk suffix: at most two row counts per entry).
+        """
+        cached = self._layer_rows.get(rows)  # type: ignore[attr-defined]
+        if cached is not None:
+            return cached
+        if not 0 <= rows <= self.num_tokens:
+            raise ValueError(f"rows must be in [0, {self.num_tokens}], got {rows}")
+        full = rows == self.num_tokens
+        out = {}
+        for name, t in self.tensors().items():
+            if name == "token_ids":
+                continue
+            if name in ("key_scale", "key_zero"):
+                t = t.expand(-1, -1, rows, -1)
+            elif not full:
+                t = t[:, :, :rows]
+            out[name] = t.unbind(0)
+        self._layer_rows[rows] = out  # type: ignore[attr-defined]
+        return out
+
+    def pin_memory(self) -> ChunkKV:
+        """A copy in page-locked host memory (self if pinned or not on the CPU): a
+        CUDA engine copies it to the device asynchronously (``non_blocking``)."""
+        if self.keys.device.type != "cpu" or self.keys.is_pinned():
+            return self
+        pinned = {n: t.pin_memory() for n, t in self.tensors().items() if n != "token_ids"}
+        return ChunkKV(self.token_ids, fingerprint=self.fingerprint, **pinned)
+
+    def to(
+        self,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+        non_blocking: bool = False,
+    ) -> ChunkKV:
         """Return a copy on ``device``, or self if unchanged.
 
         With ``dtype`` the copy holds float K/V in it (an int8 entry is
         dequantized on ``device``); without, the storage form is kept.
+        ``non_blocking``: copies from pinned memory to a CUDA device return at
+        once (the device's stream orders them before any use there).
         """
         device = torch.device(device)
+        here = _same_device(self.keys.device, device)
         if self.is_quantized:
-            moved = {n: t.to(device) for n, t in self.tensors().items() if n != "token_ids"}
-            if dtype is None:
-                if self.keys.device == device:
-                    return self
-                return ChunkKV(self.token_ids.cpu(), fingerprint=self.fingerprint, **moved)
+            if dtype is None and here:
+                return self
+            moved = {
+                n: t.to(device, non_blocking=non_blocking)
+                for n, t in self.tensors().items()
+                if n != "token_ids"
+            }
             on_device = ChunkKV(self.token_ids.cpu(), fingerprint=self.fingerprint, **moved)
+            if dtype is None:
+                return on_device
             keys, values = on_device.dequantize(dtype)
             return ChunkKV(self.token_ids.cpu(), keys, values, self.fingerprint)
         dtype = dtype or self.keys.dtype
-        if self.keys.device == device and self.keys.dtype == dtype:
+        if here and self.keys.dtype == dtype:
             return self
         return ChunkKV(
             token_ids=self.token_ids.cpu(),
-            keys=self.keys.to(device=device, dtype=dtype),
-            values=self.values.to(device=device, dtype=dtype),
+            keys=self.keys.to(device=device, dtype=dtype, non_blocking=non_blocking),
+            values=self.values.to(device=device, dtype=dtype, non_blocking=non_blocking),
             fingerprint=self.fingerprint,
         )
 
@@ -237,6 +297,15 @@ class ChunkKV:
             value_scale=value_scale,
             value_zero=value_zero,
         )
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    """``have`` is ``want`` (``"cuda"`` without an index is the current CUDA device)."""
+    if have == want:
+        return True
+    if have.type != want.type or want.index is not None or want.type != "cuda":
+        return False
+    return have.index == torch.cuda.current_device()
 
 
 def _exceeds_float16(x: torch.Tensor) -> bool:

@@ -12,7 +12,11 @@ and Redis per storage precision). ``all`` runs them in that order on one
 loaded model. Each writes ``<suite>.json`` (numbers + machine facts + the
 command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
 ``--quick`` shrinks every suite to a smoke run (a few items, tiny chunks).
-``report`` turns a results folder into docs/benchmarks.md and the README table.
+``--dummy-weights`` makes ``--model`` a named shape (``llama-3.1-8b``, ...: see
+``bench/shapes.py``) with random weights, for timings without a download.
+``scaling --preset gpu`` writes ``gpu-scaling-<model>`` files, into docs/bench
+on a CUDA device. ``report`` turns a results folder into docs/benchmarks.md
+and the README table.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 import sys
 import time
 from types import ModuleType
@@ -35,6 +40,7 @@ from kvrag_integrations.bench import (
     report,
     rerank,
     scaling,
+    shapes,
     stores,
     ttft,
 )
@@ -71,6 +77,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvrag_integrations.bench")
     p.add_argument("suite", choices=[*SUITES, "all"])
     p.add_argument("--model", default=None, help="HF id, path or .gguf (default: SmolLM2)")
+    p.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help=f"--model is a shape ({', '.join(shapes.SHAPES)}) with random weights: timings only",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, ...")
     p.add_argument("--dtype", default=None)
     p.add_argument("--data", default=None, help="MuSiQue-format JSON (default: ../shared/data)")
@@ -87,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--preset",
         default=None,
-        help="quality: default, ablation, sinks, refresh, agreement, precision or suffix",
+        help="quality: default, ablation, sinks, refresh, agreement, precision or suffix; "
+        "ttft: context; scaling: gpu (16, 64, 128 chunks x 256 tokens, turbo per store)",
     )
     p.add_argument(
         "--no-loglik", action="store_true", help="quality: skip the gold log-likelihood prefill"
@@ -95,7 +107,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scoring", default=None, help="rerank: judge or query_likelihood")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 items, tiny sizes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG files")
-    p.add_argument("--out", default="bench_results")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default bench_results; gpu preset on CUDA: docs/bench)",
+    )
     p.add_argument(
         "--tag", default=None, help="append to the result files' name (runs side by side)"
     )
@@ -103,8 +119,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
-    """The suite's ``run`` keyword arguments: its ``QUICK`` preset, then what was given."""
-    options: dict[str, Any] = dict(getattr(module, "QUICK", {})) if args.quick else {}
+    """The suite's ``run`` keyword arguments: the preset's sizes, its ``QUICK`` sizes,
+    then what was given."""
+    options = preset_options(module, args)
     given = {
         "n_chunks": args.chunks,
         "chunk_tokens": args.chunk_tokens,
@@ -125,6 +142,45 @@ def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any
     return {k: v for k, v in options.items() if k in accepted}
 
 
+def preset_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    """Sizes the preset sets (``PRESET_OPTIONS``), then ``--quick``'s (``QUICK``, and
+    the preset's own smoke sizes, ``QUICK_PRESET``)."""
+    preset = args.preset if args.preset not in (None, "default") else None
+    options: dict[str, Any] = {}
+    if preset:
+        options.update(getattr(module, "PRESET_OPTIONS", {}).get(preset, {}))
+    if args.quick:
+        options.update(getattr(module, "QUICK", {}))
+        if preset:
+            options.update(getattr(module, "QUICK_PRESET", {}).get(preset, {}))
+    return options
+
+
+def result_name(name: str, args: argparse.Namespace, engine: KVRAGEngine) -> str:
+    """``<suite>[-<preset>][-<scoring>][-<tag>]``; the gpu preset's is
+    ``gpu-<suite>-<model>`` (what ``bench report`` renders as a GPU section)."""
+    if args.preset == "gpu":
+        model = args.model or engine.model_name
+        out_name = f"gpu-{name}-" + re.sub(r"[^A-Za-z0-9.]+", "-", str(model)).strip("-").lower()
+    else:
+        out_name = name if args.preset in (None, "default") else f"{name}-{args.preset}"
+    if name == "rerank" and args.scoring:  # one result file per scoring, side by side
+        out_name = f"{out_name}-{args.scoring}"
+    if args.tag:  # e.g. one file per model or prompt shape
+        out_name = f"{out_name}-{args.tag}"
+    return out_name
+
+
+def out_dir(args: argparse.Namespace, engine: KVRAGEngine) -> str:
+    """``--out``; by default docs/bench for the gpu preset on CUDA (published
+    figures), bench_results otherwise (never GPU files measured elsewhere)."""
+    if args.out is not None:
+        return args.out
+    if args.preset == "gpu" and engine.device.type == "cuda":
+        return "docs/bench"
+    return "bench_results"
+
+
 def run_suite(
     name: str, engine: KVRAGEngine, items: list, args: argparse.Namespace, command: str
 ) -> None:
@@ -138,12 +194,8 @@ def run_suite(
     payload["machine"] = machine_info(engine)
     payload["command"] = command
     text = module.table(payload)
-    out_name = name if args.preset in (None, "default") else f"{name}-{args.preset}"
-    if name == "rerank" and args.scoring:  # one result file per scoring, side by side
-        out_name = f"{out_name}-{args.scoring}"
-    if args.tag:  # e.g. one file per model or prompt shape
-        out_name = f"{out_name}-{args.tag}"
-    path = write_results(args.out, out_name, payload, text)
+    out_name = result_name(name, args, engine)
+    path = write_results(out_dir(args, engine), out_name, payload, text)
     pngs = []
     plot = not args.no_plots and args.preset in (None, "default") and hasattr(module, "plot")
     if plot and plots.available():
@@ -166,9 +218,18 @@ def main(argv: list[str] | None = None) -> None:
         args.suite == "all" or args.preset not in SUITES[args.suite].__dict__.get("PRESETS", {})
     ):
         p.error(f"suite {args.suite} has no preset {args.preset!r}")
+    if args.dummy_weights and args.model not in shapes.SHAPES:
+        p.error(f"--dummy-weights needs --model one of {', '.join(shapes.SHAPES)}")
     device = resolve_device(args.device)
-    engine = KVRAGEngine.shared(args.model, device=device, dtype=args.dtype)
-    count = args.items if args.items is not None else (2 if args.quick else 5)
+    if args.dummy_weights:
+        engine = KVRAGEngine(shapes.dummy_model(args.model, device, args.dtype))
+    else:
+        engine = KVRAGEngine.shared(args.model, device=device, dtype=args.dtype)
+    count = args.items
+    if count is None and args.suite != "all":
+        count = preset_options(SUITES[args.suite], args).get("items")
+    if count is None:
+        count = 2 if args.quick else 5
     items = load_items(args.data, count)
     command = "python -m kvrag_integrations.bench " + " ".join(argv)
     for name in names:

@@ -81,14 +81,30 @@ PLOTS = {
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
+# ``scaling --preset gpu`` results, one per model: ``gpu-scaling-<model>.json``.
+GPU_PREFIX = "gpu-scaling-"
+
+
 def load(results: Path) -> dict[str, dict[str, Any]]:
-    """The suite payloads found in ``results`` (missing suites are left out)."""
+    """The suite payloads found in ``results`` (missing suites are left out); GPU
+    scaling results follow the scaling section."""
     found = {}
     for name, _, _ in SECTIONS:
         path = results / f"{name}.json"
         if path.is_file():
             found[name] = json.loads(path.read_text())
+        if name == "scaling":
+            for gpu in sorted(results.glob(f"{GPU_PREFIX}*.json")):
+                found[gpu.stem] = json.loads(gpu.read_text())
     return found
+
+
+def section_of(name: str, payload: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The suite module that renders result ``name``, and its section title."""
+    if name.startswith(GPU_PREFIX):
+        model = (payload or {}).get("machine", {}).get("model") or name[len(GPU_PREFIX) :]
+        return scaling, f"On a GPU: TTFT from 16 to 128 chunks, {model}"
+    return next((m, t) for n, m, t in SECTIONS if n == name)
 
 
 def _machine(payload: dict[str, Any]) -> str:
@@ -108,7 +124,7 @@ def images(name: str, results: Path, page: Path) -> list[str]:
 
 def section(name: str, payload: dict[str, Any], pictures: list[str] = ()) -> str:
     """One suite's table, its plots and its provenance."""
-    module, title = next((m, t) for n, m, t in SECTIONS if n == name)
+    module, title = section_of(name, payload)
     lines = [f"## {title}", "", module.table(payload), ""]
     lines += [f"![{name}]({link})\n" for link in pictures]
     lines += [
@@ -153,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no suite results in {args.results}")
     if not args.no_plots and plots.available():  # redraw from the JSON: always in step
         for name, payload in found.items():
-            module = next(m for n, m, _ in SECTIONS if n == name)
+            module, _ = section_of(name)
             if name in PLOTS and hasattr(module, "plot"):
                 module.plot(payload, results, name)
     docs = Path(args.docs)

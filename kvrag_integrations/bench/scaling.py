@@ -11,13 +11,23 @@ engine's own ``run_tokens`` on the full-prefill cache of the same prompt. What
 turbo adds over it is tokenization, store reads, cache assembly (key
 re-rotation) and the short separators between chunks.
 
+The ``gpu`` preset (``--preset gpu``) is the count sweep at 16, 64 and 128 chunks
+of 256 tokens: full, turbo from the engine's memory store (entries on the
+device), turbo from a tiered store (disk behind a host memory tier: pinned
+entries copied to the device per request), blend@0.15 and the floor. It writes
+``gpu-scaling-<model>.json`` and ``.md`` (into ``docs/bench`` on a CUDA device,
+where ``bench report`` renders them); with ``--dummy-weights`` ``--model`` names
+a shape (``bench/shapes.py``) built with random weights.
+
 Examples:
     python -m kvrag_integrations.bench scaling --counts 1,2,4,8,16 --lengths 64,128,256,512
+    python -m kvrag_integrations.bench scaling --preset gpu --model llama-3.1-8b --dummy-weights
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +36,9 @@ import torch
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, sync, timed
 from kvrag_integrations.bench.quality import label
+from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.engine.forward import run_tokens
+from kvrag_integrations.store import DiskKVStore, TieredKVStore
 
 STRATEGIES: list[tuple[str, dict[str, Any]]] = [
     ("full", {}),
@@ -35,6 +47,18 @@ STRATEGIES: list[tuple[str, dict[str, Any]]] = [
 ]
 QUICK = {"counts": [1, 2], "lengths": [16, 32], "n_chunks": 2, "chunk_tokens": 16,
          "questions": 1, "repeats": 1, "strategies": STRATEGIES[:2]}  # fmt: skip
+# Turbo per store: the engine's own (memory) and a tiered one (host tier, disk).
+GPU = [("full", {}), ("turbo", {}), ("turbo", {"store": "tiered"}), *STRATEGIES[2:]]
+PRESETS = {"default": STRATEGIES, "gpu": GPU}
+# Sizes a preset sets (before --quick's and the command line's); "items": questions
+# loaded, enough passages of 256 tokens for 128 chunks.
+PRESET_OPTIONS = {
+    "gpu": {"counts": [16, 64, 128], "chunk_tokens": 256, "lengths": [], "questions": 1,
+            "items": 20, "repeats": 5},
+}  # fmt: skip
+QUICK_PRESET = {
+    "gpu": {"counts": [2, 4], "chunk_tokens": 16, "lengths": [], "items": 2, "repeats": 1},
+}
 
 
 def _prompt_tokens(engine: Any, question: str, chunks: list[str]) -> int:
@@ -81,16 +105,31 @@ def measure_point(
     chunks: list[str],
     strategies: list[tuple[str, dict[str, Any]]],
     repeats: int,
+    runners: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Median over questions of the median TTFT per strategy, and the floor."""
-    engine.encode_chunks(chunks, show_progress=False)
+    """Median over questions of the median TTFT per strategy, and the floor.
+
+    A strategy's ``store`` option names its engine in ``runners`` (same weights,
+    another store); without, ``engine`` answers.
+    """
+    runners = {"memory": engine, **(runners or {})}
+    for runner in runners.values():
+        runner.encode_chunks(chunks, show_progress=False)
     per: dict[str, list[float]] = {}
     floors, tails, tokens = [], [], []
     for question in questions:
         for name, options in strategies:
+            options = dict(options)
+            store = {"store": options.pop("store")} if "store" in options else {}
+            runner = runners[store.get("store", "memory")]
             request = dict(question=question, chunks=chunks, strategy=name, **options)
-            ttft, _ = timed(lambda r=request: engine.generate(max_new_tokens=1, **r), repeats)
-            per.setdefault(label(name, options), []).append(ttft)
+
+            def answer(e: Any = runner, r: dict[str, Any] = request) -> None:
+                e.generate(max_new_tokens=1, **r)
+                sync(e)
+
+            ttft, _ = timed(answer, repeats)
+            per.setdefault(label(name, {**options, **store}), []).append(ttft)
         floor, tail = floor_time(engine, question, chunks, repeats)
         floors.append(floor)
         tails.append(tail)
@@ -141,18 +180,23 @@ def run(
     pool = chunk_pool(engine.tokenizer, items, chunk_tokens)
     if counts is None:
         counts = default_counts(engine, qs[0], pool)
-    counts = [n for n in counts if n <= len(pool)]
-    by_count = []
-    for n in counts:
-        point = measure_point(engine, qs, pool[:n], strategies, repeats)
-        by_count.append({"n_chunks": n, **point})
-    by_length = []
-    for length in lengths or [64, 128, 256, 512]:
-        chunks = chunk_pool(engine.tokenizer, items, length)[:n_chunks]
-        if len(chunks) < n_chunks or _prompt_tokens(engine, qs[0], chunks) >= engine.context_window:
-            continue  # too few passages that long, or over the window
-        point = measure_point(engine, qs, chunks, strategies, repeats)
-        by_length.append({"chunk_tokens": length, **point})
+    limit = engine.context_window - 8  # room for the first generated token
+    counts = [
+        n for n in counts if n <= len(pool) and _prompt_tokens(engine, qs[0], pool[:n]) <= limit
+    ]
+    with tempfile.TemporaryDirectory(prefix="kvrag-scaling-") as tmp:
+        runners = store_engines(engine, strategies, Path(tmp))
+        by_count = []
+        for n in counts:
+            point = measure_point(engine, qs, pool[:n], strategies, repeats, runners)
+            by_count.append({"n_chunks": n, **point})
+        by_length = []
+        for length in [64, 128, 256, 512] if lengths is None else lengths:
+            chunks = chunk_pool(engine.tokenizer, items, length)[:n_chunks]
+            if len(chunks) < n_chunks or _prompt_tokens(engine, qs[0], chunks) > limit:
+                continue  # too few passages that long, or over the window
+            point = measure_point(engine, qs, chunks, strategies, repeats, runners)
+            by_length.append({"chunk_tokens": length, **point})
     return {
         "questions": len(qs),
         "repeats": repeats,
@@ -162,6 +206,25 @@ def run(
         "chunks": by_count,
         "length": by_length,
     }
+
+
+def store_engines(
+    engine: Any, strategies: list[tuple[str, dict[str, Any]]], workdir: Path
+) -> dict[str, Any]:
+    """Engines over ``engine``'s weights for the stores the strategies name:
+    ``"tiered"`` is disk behind a memory tier kept on the host (pinned on CUDA,
+    so each request copies its chunks to the device)."""
+    names = {o["store"] for _, o in strategies if o.get("store", "memory") != "memory"}
+    unknown = names - {"tiered"}
+    if unknown:
+        raise ValueError(f"unknown store {sorted(unknown)}; scaling knows memory and tiered")
+    runners = {}
+    if "tiered" in names:
+        store = TieredKVStore(DiskKVStore(workdir / "tiered"), device="cpu")
+        runners["tiered"] = KVRAGEngine(
+            engine.loaded, store=store, cache_precision=engine.cache_precision
+        )
+    return runners
 
 
 def _rows(points: list[dict[str, Any]], x_key: str, names: list[str]) -> list[list[Any]]:
@@ -175,7 +238,7 @@ def _rows(points: list[dict[str, Any]], x_key: str, names: list[str]) -> list[li
 
 
 def table(payload: dict[str, Any]) -> str:
-    """Two tables: TTFT (ms, median) per chunk count and per chunk length."""
+    """TTFT (ms, median) per chunk count, and per chunk length when measured."""
     names = payload["strategies"]
     tail = [*names, "query-only floor", "turbo / floor"]
     parts = [
@@ -184,14 +247,17 @@ def table(payload: dict[str, Any]) -> str:
         markdown_table(
             ["chunks", "prompt tokens", *tail], _rows(payload["chunks"], "n_chunks", names)
         ),
-        "",
-        f"TTFT (ms) vs chunk length ({payload['n_chunks']} chunks):",
-        "",
-        markdown_table(
-            ["tokens/chunk", "prompt tokens", *tail],
-            _rows(payload["length"], "chunk_tokens", names),
-        ),
     ]
+    if payload["length"]:
+        parts += [
+            "",
+            f"TTFT (ms) vs chunk length ({payload['n_chunks']} chunks):",
+            "",
+            markdown_table(
+                ["tokens/chunk", "prompt tokens", *tail],
+                _rows(payload["length"], "chunk_tokens", names),
+            ),
+        ]
     return "\n".join(parts)
 
 

@@ -21,6 +21,7 @@ from kvrag_integrations.chunk_kv import (
     dtype_name,
     storage_fingerprint,
 )
+from kvrag_integrations.engine.chunk_tokens import ChunkTokens
 from kvrag_integrations.engine.chunks import encode_chunk_batch
 from kvrag_integrations.engine.entries import (
     DEFAULT_CHUNK_CONTEXT,
@@ -90,6 +91,7 @@ class ChunkCaches:
             raise TypeError(f"chunk_suffix must be a string, got {type(suffix).__name__}")
         self.suffix = suffix
         self.suffix_ids = tokenize_text(loaded.tokenizer, suffix) if suffix else _NO_IDS
+        self.tokens = ChunkTokens(loaded.tokenizer, self.suffix_ids)
         self.store = store
         self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
         self.index = ChunkIndex()
@@ -105,9 +107,7 @@ class ChunkCaches:
 
     def key(self, text: str) -> str:
         """The store key the chunk ``text`` has under this model."""
-        validate_chunk_text(text)
-        ids = tokenize_text(self.loaded.tokenizer, text)
-        return cache_key(self.fingerprint, self.entry_ids(ids))
+        return self.tokens.key(self.fingerprint, text, self.tokens.get(text)[1])
 
     def entry_ids(self, chunk_ids: torch.Tensor) -> torch.Tensor:
         """``entries.entry_ids`` with this engine's chunk suffix."""
@@ -121,7 +121,10 @@ class ChunkCaches:
         return piece.entry_ids
 
     def piece_key(self, piece: Piece) -> str:
-        return cache_key(self.fingerprint, self.piece_entry_ids(piece))
+        ids = self.piece_entry_ids(piece)
+        if piece.is_chunk:  # remembered with the chunk's ids
+            return self.tokens.key(self.fingerprint, piece.text, ids)
+        return cache_key(self.fingerprint, ids)
 
     def attach_suffixes(self, prompt: TokenizedPrompt) -> TokenizedPrompt:
         """``attach_suffix`` with this engine's chunk suffix and encoding context."""
@@ -160,14 +163,13 @@ class ChunkCaches:
         """
         if isinstance(chunks, str):
             raise TypeError("chunks must be a list of strings, not one string")
-        tokenizer = self.loaded.tokenizer
-        ids = [tokenize_text(tokenizer, validate_chunk_text(c)) for c in chunks]
+        pairs = [self.tokens.get(validate_chunk_text(c)) for c in chunks]
         if max_tokens is not None:
-            check_fits(max((len(i) for i in ids), default=0), max_tokens, "a chunk")
+            check_fits(max((len(i) for i, _ in pairs), default=0), max_tokens, "a chunk")
         for text in chunks:
             self.index.add(text)
-        lengths = [len(i) for i in ids]
-        ids = [self.entry_ids(i) for i in ids]
+        lengths = [len(i) for i, _ in pairs]
+        ids = [entry for _, entry in pairs]
         keys = [cache_key(self.fingerprint, i) for i in ids]
         todo = {}
         for key, tok in zip(keys, ids):
@@ -355,7 +357,11 @@ class ChunkCaches:
         storage form (the strategies' assembly casts or dequantizes them)."""
         device = self.loaded.device
         keys = [self.piece_key(p) for p in prompt.cached_pieces]
-        return [found[k].to(device) for k in keys]
+        # Host entries reach a CUDA device asynchronously: from pinned memory (the
+        # tiered store's host tier pins them) the copies overlap; the device's
+        # stream orders them before assembly reads them.
+        cuda = device.type == "cuda"
+        return [found[k].to(device, non_blocking=cuda) for k in keys]
 
     def for_prompt(self, prompt: TokenizedPrompt) -> tuple[list[ChunkKV], set[str]]:
         """Stored caches of the prompt's chunks; missing ones are encoded and stored.

@@ -42,6 +42,7 @@ from kvrag_integrations.engine.streaming import (
 )
 from kvrag_integrations.errors import check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
+from kvrag_integrations.store.budget import memory_budget
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class KVRAGEngine(registry.EngineLoading):
 
         Args:
             loaded: the model (``load_model``).
-            store: where chunk caches live (default: an in-memory LRU).
+            store: where chunk caches live (default: an in-memory LRU bounded at a
+                share of the memory free on the model's device when the engine is
+                made: ``store.budget.memory_budget``).
             cache_prefix: cache the prompt's leading text like a chunk.
             on_miss: what a request does when chunks of its prompt are not cached:
                 ``"defer"`` (default) answers by plain prefill, never slower than
@@ -124,7 +127,9 @@ class KVRAGEngine(registry.EngineLoading):
         self.tokenizer = loaded.tokenizer
         self.caches = ChunkCaches(
             loaded,
-            store if store is not None else MemoryKVStore(),
+            # Sized from the memory free where entries live (the model's device:
+            # chunks are encoded there): store.budget.memory_budget.
+            store if store is not None else MemoryKVStore(memory_budget(loaded.device)),
             cache_precision,
             chunk_suffix,
             chunk_context,
@@ -258,7 +263,9 @@ class KVRAGEngine(registry.EngineLoading):
         """Tokenize segments (each alone) into the prompt as turbo and blend read it:
         each chunk piece points at its entry, and takes the chunk suffix after it
         where the text continues with it (``ChunkCaches.attach_suffixes``)."""
-        return self.caches.attach_suffixes(tokenize_segments(self.tokenizer, segments))
+        # Chunks' ids come from ``caches.tokens``: a known chunk is not re-tokenized.
+        pieces = tokenize_segments(self.tokenizer, segments, self.caches.tokens.get)
+        return self.caches.attach_suffixes(pieces)
 
     def check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
         """Raise ``ContextWindowExceededError`` naming ``what`` if ``n_tokens`` prompt

@@ -91,7 +91,7 @@ def attach_suffix(
             and prev.ids.numel() < prev.stored_ids.numel()
             and not piece.is_cached
             and piece.ids.numel() >= k
-            and torch.equal(piece.ids[:k], suffix_ids)
+            and torch.equal(piece.ids if piece.ids.numel() == k else piece.ids[:k], suffix_ids)
         ):
             pieces[-1] = replace(prev, ids=prev.stored_ids)
             if piece.ids.numel() > k:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -105,6 +105,7 @@ def check_text(text: Any, what: str) -> str:
 
 PieceKind = Literal["text", "chunk", "prefix"]
 PIECE_KINDS: tuple[PieceKind, ...] = ("text", "chunk", "prefix")
+_NO_IDS = torch.zeros(0, dtype=torch.long)  # a text piece's until its ids are made
 
 
 def check_texts(texts: Any, what: str) -> list[str]:
@@ -298,6 +299,10 @@ def tokenize_texts(tokenizer: Any, texts: Sequence[Text]) -> torch.Tensor:
     at control tokens first anyway, the ids equal those of the joined string
     tokenized normally, except that no control token can come from literal text.
     """
+    return torch.tensor(_text_ids(tokenizer, texts), dtype=torch.long)
+
+
+def _text_ids(tokenizer: Any, texts: Sequence[Text]) -> list[int]:
     controls = control_token_strings(tokenizer)
     ids: list[int] = []
     plain = ""
@@ -314,7 +319,7 @@ def tokenize_texts(tokenizer: Any, texts: Sequence[Text]) -> torch.Tensor:
             else:
                 plain += part
     ids += _encode(tokenizer, plain, literal=True)
-    return torch.tensor(ids, dtype=torch.long)
+    return ids
 
 
 def _split_controls(text: str, controls: Sequence[str]) -> list[str]:
@@ -332,34 +337,52 @@ def _split_controls(text: str, controls: Sequence[str]) -> list[str]:
     return [p for p in out if p]
 
 
-def tokenize_segments(tokenizer: Any, segments: Sequence[Segment]) -> TokenizedPrompt:
+def tokenize_segments(
+    tokenizer: Any,
+    segments: Sequence[Segment],
+    chunk_tokens: Callable[[str], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> TokenizedPrompt:
     """Tokenize each chunk alone and each run of text between chunks alone, in order.
 
     Consecutive ``Text`` segments form one piece (empty runs are dropped).
+    ``chunk_tokens`` (``ChunkTokens.get``) gives a chunk's ids and its entry's,
+    as ``tokenize_text`` and ``entries.entry_ids`` make them, remembered: a known
+    chunk is not tokenized again. Without it, chunks are tokenized here.
     """
     pieces: list[Piece] = []
+    text_ids: list[list[int]] = []  # the text pieces' ids, in order
     run: list[Text] = []
 
     def flush() -> None:
         if run:
-            ids = tokenize_texts(tokenizer, run)
-            if ids.numel():
-                pieces.append(Piece(ids, "text", "".join(t.text for t in run)))
+            ids = _text_ids(tokenizer, run)
+            if ids:
+                text_ids.append(ids)
+                pieces.append(Piece(_NO_IDS, "text", "".join(t.text for t in run)))
             run.clear()
 
     for seg in segments:
         if isinstance(seg, Chunk):
             flush()
             validate_chunk_text(seg.text)
-            ids = tokenize_text(tokenizer, seg.text)
+            if chunk_tokens is None:
+                ids, stored = tokenize_text(tokenizer, seg.text), None
+            else:
+                ids, stored = chunk_tokens(seg.text)
             if ids.numel():
-                pieces.append(Piece(ids, "chunk", seg.text))
+                pieces.append(Piece(ids, "chunk", seg.text, None if stored is ids else stored))
         elif isinstance(seg, Text):
             check_text(seg.text, "Text.text")
             run.append(seg)
         else:
             raise TypeError(f"segments must be Text or Chunk, got {type(seg).__name__}")
     flush()
+    if text_ids:  # one tensor for all text pieces (views of it): no op per piece
+        flat = torch.tensor([i for ids in text_ids for i in ids], dtype=torch.long)
+        parts = iter(flat.split([len(ids) for ids in text_ids]))
+        for piece in pieces:
+            if piece.kind == "text":
+                piece.ids = next(parts)
     return TokenizedPrompt(pieces)
 
 

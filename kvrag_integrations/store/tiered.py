@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict
+from typing import Literal
 
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.store.base import EntryInfo, KVStore
+from kvrag_integrations.store.budget import memory_budget
 from kvrag_integrations.store.memory import MemoryKVStore
 
 
@@ -21,6 +23,8 @@ class TieredKVStore(KVStore):
     ``StoreWriteError`` and leaves memory untouched, so a retry writes again), then
     memory. With ``device`` (e.g. ``"cuda"``), memory keeps entries there, so hot
     chunks skip the host-to-device copy; ``max_bytes`` then bounds device memory.
+    Entries the memory tier keeps on the host are pinned (page-locked) when CUDA
+    is present, so a CUDA engine copies them to the device asynchronously.
 
     ``stats`` counts the store as a whole (a hit in either tier is a hit);
     ``tier_stats`` has each tier's own counters: ``"memory"`` (hits, misses,
@@ -30,8 +34,12 @@ class TieredKVStore(KVStore):
 
     Args:
         backend: the store behind the cache, e.g. ``DiskKVStore`` or ``RedisKVStore``.
-        max_bytes: the memory tier's budget in bytes (``None``: unbounded).
+        max_bytes: the memory tier's budget in bytes (``None``: unbounded;
+            ``"auto"``, the default: ``budget.memory_budget`` of ``device``, a
+            share of the memory free there when the store is made).
         device: where the memory tier keeps tensors (``None``: as they come).
+        pin_memory: pin entries kept on the host (``None``: when CUDA is
+            available; never without it).
 
     Examples:
         >>> import tempfile, torch
@@ -56,15 +64,20 @@ class TieredKVStore(KVStore):
     def __init__(
         self,
         backend: KVStore,
-        max_bytes: int | None = 512 * 2**20,
+        max_bytes: int | Literal["auto"] | None = "auto",
         device: str | torch.device | None = None,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(backend, KVStore):
             raise TypeError(f"backend must be a KVStore, got {type(backend).__name__}")
         self.backend = backend
-        self.memory = MemoryKVStore(max_bytes=max_bytes)
         self.device = torch.device(device) if device is not None else None
+        if max_bytes == "auto":
+            max_bytes = memory_budget(self.device)
+        self.memory = MemoryKVStore(max_bytes=max_bytes)
+        # Pinning needs CUDA; without it nothing changes.
+        self.pin_memory = pin_memory is not False and torch.cuda.is_available()
         self._promotions = 0
 
     @property
@@ -74,7 +87,10 @@ class TieredKVStore(KVStore):
         return {"memory": memory, "backend": asdict(self.backend.stats)}
 
     def _local(self, kv: ChunkKV) -> ChunkKV:
-        return kv if self.device is None else kv.to(self.device)
+        kv = kv if self.device is None else kv.to(self.device)
+        # Pinned once when kept, not per request: an entry read from the backend
+        # is pageable memory, which a CUDA copy must stage synchronously.
+        return kv.pin_memory() if self.pin_memory else kv
 
     def get(self, key: str, fingerprint: str) -> ChunkKV | None:
         """The entry from memory, else from the backend (then promoted); else ``None``."""

@@ -221,3 +221,18 @@ def test_ttft_context_preset_runs_engine_settings_on_their_own_engine(engine, tm
                      "blend(recompute_ratio=0.15, selection=query, chunk_context=sink)",
                      "turbo(chunk_context=sink)"]  # fmt: skip
     assert all(r["ttft_ms"] > 0 for r in payload["results"])
+
+
+def test_gpu_preset_with_dummy_weights_from_the_command_line(tmp_path: Path) -> None:
+    """``--model <shape> --dummy-weights`` builds the shape with the bundled
+    tokenizer; the gpu preset writes gpu-scaling-<shape> (on CPU: where --out says,
+    never docs/bench)."""
+    main(
+        ["scaling", "--preset", "gpu", "--quick", "--model", "tiny-llama", "--dummy-weights",
+         "--device", "cpu", "--no-plots", "--out", str(tmp_path)]
+    )  # fmt: skip
+    payload = _strict((tmp_path / "gpu-scaling-tiny-llama.json").read_text())
+    assert payload["machine"]["model"] == "tiny-llama (dummy weights)"
+    assert payload["strategies"] == ["full", "turbo", "turbo(store=tiered)", "blend@0.15"]
+    assert [p["n_chunks"] for p in payload["chunks"]] == [2, 4]
+    assert "--dummy-weights" in payload["command"]

@@ -52,9 +52,10 @@ class Strategy(ABC):
     """Builds the prompt's KV cache from the prompt and its chunks' stored caches.
 
     ``chunk_kvs[i]`` is the stored cache of the i-th chunk piece of ``prompt``
-    (on the model's device, in its storage form: ``reuse.stored_kv`` gives its
-    float K/V, which the assembly casts to the model's dtype); ``model`` carries the weights
-    and their :class:`~kvrag_integrations.engine.layout.ModelLayout`. Strategies that prefill
+    (on the model's device, in its storage form: float or int8, which
+    ``reuse.ChunkReuse.assemble`` casts or dequantizes to the model's dtype while
+    laying the caches out); ``model`` carries the weights and their
+    :class:`~kvrag_integrations.engine.layout.ModelLayout`. Strategies that prefill
     everything do not need caches and say so with ``uses_chunk_caches = False``.
     """
 

@@ -15,7 +15,12 @@ from kvrag_integrations.engine.forward import run_tokens
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput
-from kvrag_integrations.engine.strategies.reuse import ChunkReuse, output, with_last
+from kvrag_integrations.engine.strategies.reuse import (
+    ChunkReuse,
+    divide_chunk_keys,
+    output,
+    with_last,
+)
 
 
 class TurboRAG(ChunkReuse):
@@ -42,15 +47,10 @@ class TurboRAG(ChunkReuse):
     def prefill(
         self, model: LoadedModel, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]
     ) -> PrefillOutput:
-        kv, uncached = self.assemble(model, prompt, chunk_kvs)
+        kv, placement = self.assemble_placed(model, prompt, chunk_kvs)
+        uncached = placement.uncached.to(kv.device)
         if self.key_temperature != 1.0:
-            start = 0
-            for piece in prompt.pieces:
-                n = piece.ids.numel()
-                if piece.is_chunk:
-                    for keys in kv.keys:
-                        keys[:, start : start + n] /= self.key_temperature
-                start += n
+            divide_chunk_keys(kv, placement, self.key_temperature)
         todo = with_last(uncached, kv.num_tokens)
         logits = run_tokens(model.model, model.layout, kv, todo)
         return output(kv, logits, uncached, todo)
