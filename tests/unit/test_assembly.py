@@ -24,6 +24,7 @@ from kvrag_integrations.engine import segments as segments_module
 from kvrag_integrations.engine.chunk_tokens import ChunkTokens
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.segments import cache_leading_text
+from kvrag_integrations.engine.strategies import reuse
 from kvrag_integrations.engine.strategies.turbo import TurboRAG
 from kvrag_integrations.store import DiskKVStore, TieredKVStore
 
@@ -165,6 +166,25 @@ def test_mixed_storage_forms_in_one_prompt(engine: KVRAGEngine, precision: str) 
     got = TurboRAG().prefill(engine.loaded, prompt, stored).logits
     want = TurboRAG().prefill(engine.loaded, prompt, widened).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_both_ways_of_placing_mixed_dtypes_agree() -> None:
+    """CPU's cat into place and CUDA's one block per dtype write the same rows
+    (leading text at model precision, float16 and bfloat16 chunks), and leave the
+    rows outside the span alone; so does the scattered path."""
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(2, n, 8, generator=gen) for n in (3, 4, 2, 5)]
+    parts[1], parts[2], parts[3] = parts[1].half(), parts[2].half(), parts[3].bfloat16()
+    want = torch.cat([p.float() for p in parts], dim=1)
+    for cast_in_cat in (True, False):
+        dest = torch.full((2, 20, 8), 7.0)
+        reuse.put(dest, parts, (3, 17), None, cast_in_cat)
+        assert torch.equal(dest[:, 3:17], want) and (dest[:, :3] == 7).all()
+        assert (dest[:, 17:] == 7).all()
+    rows = torch.tensor([0, 1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 15, 18, 19])
+    dest = torch.full((2, 20, 8), 7.0)
+    reuse.put(dest, parts, (0, 20), rows)
+    assert torch.equal(dest[:, rows], want) and (dest[:, [3, 4, 13, 14, 16, 17]] == 7).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -203,22 +203,46 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def _blocks(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parts`` joined into one tensor per run of equal dtype: CUDA's cat is one
+    kernel only over inputs of one dtype (else one copy per input). A prompt mixes
+    dtypes when its leading text is at model precision beside float16 chunks."""
+    runs: list[list[torch.Tensor]] = []
+    for part in parts:
+        if runs and runs[-1][0].dtype == part.dtype:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [_cat(run) for run in runs]
+
+
 def put(
-    dest: torch.Tensor, parts: list[torch.Tensor], span: tuple[int, int], rows: torch.Tensor | None
+    dest: torch.Tensor,
+    parts: list[torch.Tensor],
+    span: tuple[int, int],
+    rows: torch.Tensor | None,
+    cast_in_cat: bool | None = None,
 ) -> None:
     """Write ``parts`` (one layer's cached rows, in order) into the layer ``dest``
     (``[kv_heads, tokens, head_dim]``), cast to its dtype: into ``span`` when the
-    rows fill it, else at ``rows``."""
-    if rows is not None:
-        dest.index_copy_(1, rows, _cat(parts).to(dest.dtype))
+    rows fill it, else at ``rows``. ``cast_in_cat`` (default: on CPU) lets one
+    ``cat`` write the parts in place; else one block per dtype is copied."""
+    if cast_in_cat is None:
+        cast_in_cat = dest.device.type == "cpu"
+    if cast_in_cat and rows is None and len(parts) > 1:
+        # One op: on CPU cat writes each part into place with the cast (no temporary).
+        torch.cat(parts, dim=1, out=dest[:, span[0] : span[1]])
         return
-    target = dest[:, span[0] : span[1]]
-    if dest.device.type == "cpu" and len(parts) > 1:
-        # One op; on CPU cat writes each part into place with the cast (no temporary).
-        torch.cat(parts, dim=1, out=target)
-    else:
-        # CUDA's cat is one kernel only into contiguous memory of the inputs' dtype.
-        target.copy_(_cat(parts))
+    blocks = _blocks(parts)
+    if rows is not None:
+        src = _cat([b.to(dest.dtype) for b in blocks])
+        dest.index_copy_(1, rows, src)
+        return
+    start = span[0]
+    for block in blocks:  # (one per dtype: usually the leading text's, then the chunks')
+        n = block.shape[1]
+        dest[:, start : start + n].copy_(block)
+        start += n
 
 
 def divide_chunk_keys(kv: PromptKV, placement: Placement, divisor: float) -> None:
