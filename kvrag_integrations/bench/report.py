@@ -64,7 +64,7 @@ SECTIONS = [
     ("attention-smollm2", attention, "Where the question's attention goes per layer, SmolLM2-135M"),
     ("attention-gemma3", attention, "Where the question's attention goes per layer, Gemma-3-270M"),
     ("peer", peer, "LlamaIndex: HuggingFaceLLM vs KVRAGLLM on the same RAG prompts"),
-    ("cold", cold, "Cold requests (chunks not cached yet): never slower than no reuse"),
+    ("cold", cold, "Cold requests (chunks not cached yet), the second request, leftover work"),
     ("rerank", rerank, "Reranking with document-prefix reuse (HyperRAG)"),
     ("rerank-query_likelihood", rerank, "Reranking by query likelihood (UPR) vs the retriever"),
     ("rerank-judge", rerank, "Reranking by the yes/no judge vs the retriever"),

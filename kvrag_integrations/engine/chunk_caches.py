@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -33,8 +34,10 @@ from kvrag_integrations.engine.entries import (
     context_tag,
     entry_ids,
 )
+from kvrag_integrations.engine.forward_lock import is_background_thread
 from kvrag_integrations.engine.loader import ChunkLoader
 from kvrag_integrations.engine.model import LoadedModel
+from kvrag_integrations.engine.residency import Residency
 from kvrag_integrations.engine.results import ChunkRef
 from kvrag_integrations.engine.segments import (
     Piece,
@@ -96,6 +99,8 @@ class ChunkCaches:
         self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
         self.index = ChunkIndex()
         self.loader = ChunkLoader()
+        self.residency = Residency()
+        self.ledger: Any = None  # the engine's BackgroundEncoder: no key encoded twice
 
     @property
     def fingerprint(self) -> str:
@@ -177,8 +182,20 @@ class ChunkCaches:
             # dropped by get() and encoded again here.
             if key not in todo and (overwrite or self.store.get(key, self.fingerprint) is None):
                 todo[key] = tok
-        self.encode_and_store(list(todo.values()), batch_size, show_progress)
+        self._encode_claimed(todo, batch_size, show_progress)
         return [ChunkRef(k, n) for k, n in zip(keys, lengths)]
+
+    def _encode_claimed(
+        self, todo: dict[str, torch.Tensor], batch_size: int, show_progress: bool
+    ) -> None:
+        """Encode and store ``todo`` (ingestion), through the ledger when there is one."""
+        if self.ledger is None:
+            self.encode_and_store(list(todo.values()), batch_size, show_progress)
+            return
+        jobs = {k: (ids, self.store) for k, ids in todo.items()}
+        self.ledger.encode_once(
+            jobs, lambda ids: self.encode_and_store(ids, batch_size, show_progress)
+        )
 
     def fetch_or_encode(
         self,
@@ -270,14 +287,21 @@ class ChunkCaches:
                 batch = order[start : start + step]
                 started = time.perf_counter()
                 with self.loaded.lock:  # one forward at a time on these weights
+                    begun = time.perf_counter()
                     kvs = encode_chunk_batch(self.loaded.model, batch, fingerprint, pad_id, context)
+                    forward_s = time.perf_counter() - begun
                 seconds += time.perf_counter() - started
+                if not is_background_thread():  # (background: fewer threads, pauses)
+                    width = max(len(i) for i in batch) + (0 if context is None else len(context))
+                    self.loaded.costs.record_encode(len(batch), width, forward_s)
                 for kv in kvs:
                     kv = kv.stored_as(precision)
                     done[kv.key] = kv
                     try:
                         if writable:  # after one failure, don't wait on every other put
                             store.put(kv)
+                            if store is self.store:
+                                self.residency.stored(kv.key)
                     except StoreWriteError as exc:
                         if not lazy:
                             raise
@@ -310,7 +334,8 @@ class ChunkCaches:
                 store.delete(key)
                 kv = None
             if kv is None:
-                missing[key] = Miss(self.piece_entry_ids(piece), store, piece.is_prefix)
+                evicted = not piece.is_prefix and self.residency.was_stored(key)
+                missing[key] = Miss(self.piece_entry_ids(piece), store, piece.is_prefix, evicted)
             else:
                 found[key] = kv
         return found, missing
@@ -341,8 +366,10 @@ class ChunkCaches:
             done.update(self.encode_and_store(todo, 8, False, store, lazy=True))
         return done
 
-    def encode_jobs(self, jobs: list[tuple[torch.Tensor, KVStore]]) -> None:
-        """Encode ``[(ids, store), ...]`` not stored yet (the background worker's batch)."""
+    def encode_jobs(self, jobs: list[tuple[torch.Tensor, KVStore]]) -> dict[str, ChunkKV]:
+        """Encode ``[(ids, store), ...]`` not stored yet (the background worker's unit);
+        returns the caches encoded."""
+        done: dict[str, ChunkKV] = {}
         for store in {id(s): s for _, s in jobs}.values():
             todo = [
                 ids
@@ -350,7 +377,8 @@ class ChunkCaches:
                 if s is store and not store.contains(cache_key(self.fingerprint, ids))
             ]
             if todo:
-                self.encode_and_store(todo, len(todo), False, store, lazy=True)
+                done.update(self.encode_and_store(todo, len(todo), False, store, lazy=True))
+        return done
 
     def on_device(self, prompt: TokenizedPrompt, found: dict[str, ChunkKV]) -> list[ChunkKV]:
         """The prompt's chunk caches in chunk order, on the model's device, in their

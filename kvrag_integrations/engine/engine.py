@@ -16,6 +16,7 @@ from kvrag_integrations.engine.background import BackgroundEncoder
 from kvrag_integrations.engine.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.entries import DEFAULT_CHUNK_CONTEXT, DEFAULT_CHUNK_SUFFIX
 from kvrag_integrations.engine.generate import GenerationResult
+from kvrag_integrations.engine.miss_policy import DEFAULT_ON_MISS
 from kvrag_integrations.engine.model import LoadedModel
 from kvrag_integrations.engine.request import (
     ON_MISS,
@@ -78,7 +79,7 @@ class KVRAGEngine(registry.EngineLoading):
         store: KVStore | None = None,
         *,
         cache_prefix: bool = True,
-        on_miss: str = "defer",
+        on_miss: str = DEFAULT_ON_MISS,
         max_pending: int = 256,
         cache_precision: str = "float16",
         chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
@@ -92,10 +93,14 @@ class KVRAGEngine(registry.EngineLoading):
                 share of the memory free on the model's device when the engine is
                 made: ``store.budget.memory_budget``).
             cache_prefix: cache the prompt's leading text like a chunk.
-            on_miss: what a request does when chunks of its prompt are not cached:
-                ``"defer"`` (default) answers by plain prefill, never slower than
-                no reuse, and encodes them in the background for the next request;
-                ``"encode"`` encodes them on the request path, then reuses them.
+            on_miss: what a request does about chunks of its prompt with no cache
+                (``engine.miss_policy``): ``"auto"`` (default) encodes them and
+                reuses them when that is estimated (``loaded.costs``, measured) to
+                cost no more than a full prefill, else defers; ``"defer"``
+                answers by plain prefill and encodes them in the background for
+                the next request; ``"encode"`` encodes them, then reuses them.
+                Chunks queued for the background or in flight are taken over or
+                waited for: nothing is encoded twice.
             max_pending: the most chunks queued for background encoding (more
                 are dropped: a later request defers them again).
             cache_precision: how chunk caches are stored: ``"float16"`` (default;
@@ -134,7 +139,16 @@ class KVRAGEngine(registry.EngineLoading):
             chunk_suffix,
             chunk_context,
         )
-        self.encoder = BackgroundEncoder(self.caches.encode_jobs, max_pending=max_pending)
+        # One chunk per background unit on CPU: a request finds its chunks queued
+        # (taken over) rather than in one batch in flight.
+        self.encoder = BackgroundEncoder(
+            self.caches.encode_jobs,
+            max_pending=max_pending,
+            batch_size=1 if loaded.device.type == "cpu" else 8,
+            lock=loaded.lock,
+            model=loaded.model,
+        )
+        self.caches.ledger = self.encoder
         registry.note_engine(self)
 
     def __repr__(self) -> str:
@@ -177,7 +191,8 @@ class KVRAGEngine(registry.EngineLoading):
         Every forward on the model, by this engine or any other engine on the
         same ``LoadedModel``, runs under this lock; code that runs its own
         forwards on ``engine.model`` (the reranker) does so inside
-        ``with engine.exclusive():``. Re-entrant.
+        ``with engine.exclusive():``. Re-entrant. Background encoding yields
+        to whoever waits for it (``engine.forward_lock.ForwardLock``).
         """
         return self.loaded.lock
 
@@ -313,7 +328,8 @@ class KVRAGEngine(registry.EngineLoading):
             system_prompt=system_prompt,
             chat_template=chat_template,
         )
-        pre = plan_prefill(self, request)()
+        with self.loaded.lock.request():  # background encoding pauses meanwhile
+            pre = plan_prefill(self, request)()
         if queue_misses:
             self.queue_deferred(pre)
         return pre
@@ -328,6 +344,7 @@ class KVRAGEngine(registry.EngineLoading):
         if misses:
             queued = self.encoder.submit({k: (m.ids, m.store) for k, m in misses.items()})
             pre.deferred_chunks = sum(not m.is_prefix for k, m in misses.items() if k in queued)
+            logger.debug("%d chunk(s) left to background encoding", pre.deferred_chunks)
         return pre.deferred_chunks
 
     def wait_for_encoding(self, timeout: float | None = None) -> bool:

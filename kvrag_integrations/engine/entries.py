@@ -106,11 +106,15 @@ def attach_suffix(
 
 @dataclass(frozen=True)
 class Miss:
-    """A prompt chunk with no stored cache: its ids and the store it belongs in."""
+    """A prompt chunk with no stored cache: its ids and the store it belongs in.
+
+    ``evicted``: this engine stored the entry before (evicted or lost since).
+    """
 
     ids: torch.Tensor
     store: KVStore
     is_prefix: bool = False
+    evicted: bool = False
 
 
 @dataclass(frozen=True)

@@ -63,10 +63,25 @@ class GenerationResult:
         reused_prefix_tokens: the part of ``reused_tokens`` that is the prompt's
             cached leading text (system prompt, template header, instruction).
         reused_chunk_tokens: the part of ``reused_tokens`` that is retrieved chunks.
-        lazily_encoded_chunks: chunks encoded on the request path (``on_miss="encode"``).
-        fallback: ``"uncached"`` when the prompt's chunks were not cached and it
-            was answered by plain prefill (``on_miss="defer"``), else None.
-        deferred_chunks: chunks queued for background encoding by this request.
+        lazily_encoded_chunks: chunks encoded on the request path (``encoded_chunks``
+            plus ``taken_over_chunks``).
+        fallback: ``"uncached"`` when chunks of the prompt were not cached and it
+            was answered by plain prefill instead of reuse (``"evicted"``: some
+            of them had been stored and were evicted since), else None.
+        deferred_chunks: chunks left to background encoding by this request
+            (queued by it, or already queued).
+        reused_chunks: chunks whose stored cache was read.
+        awaited_chunks: chunks being encoded elsewhere (the background worker,
+            another request) that this request waited for and used.
+        taken_over_chunks: chunks queued for background encoding (an earlier
+            request deferred them) that this request took over and encoded
+            itself; owed work, so their tokens count as reused.
+        encoded_chunks: missing chunks encoded on the request path (a lazy fill;
+            their tokens count as prefilled).
+        evicted_chunks: missing chunks this engine had stored before (evicted
+            from a bounded store, or lost).
+        miss_policy: the ``on_miss`` policy that decided (``"auto"``, ...).
+        miss_reason: why the request reused or answered by full prefill.
         first_token_logits: float32 logits of the first generated token.
     """
 
@@ -87,6 +102,13 @@ class GenerationResult:
     reused_chunk_tokens: int = 0
     fallback: str | None = None
     deferred_chunks: int = 0
+    reused_chunks: int = 0
+    awaited_chunks: int = 0
+    taken_over_chunks: int = 0
+    encoded_chunks: int = 0
+    evicted_chunks: int = 0
+    miss_policy: str = ""
+    miss_reason: str = ""
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -105,6 +127,13 @@ class GenerationResult:
             "reused_chunk_tokens": self.reused_chunk_tokens,
             "fallback": self.fallback,
             "deferred_chunks": self.deferred_chunks,
+            "reused_chunks": self.reused_chunks,
+            "awaited_chunks": self.awaited_chunks,
+            "taken_over_chunks": self.taken_over_chunks,
+            "encoded_chunks": self.encoded_chunks,
+            "evicted_chunks": self.evicted_chunks,
+            "miss_policy": self.miss_policy,
+            "miss_reason": self.miss_reason,
             "finish_reason": self.finish_reason,
         }
 

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import FORMAT_VERSION
+from kvrag_integrations.engine.costs import CostModel
+from kvrag_integrations.engine.forward_lock import ForwardLock
 from kvrag_integrations.engine.hf_compat import prefer_grouped_sdpa
 from kvrag_integrations.engine.host_memory import keep_freed_memory
 from kvrag_integrations.engine.layout import ModelLayout
@@ -105,7 +106,11 @@ class LoadedModel:
     reranking) holds it, so one forward runs at a time however many engines
     share this ``LoadedModel`` (torch modules are not re-entrant across threads
     on shared buffers, and interleaving would only slow each request down). It
-    is re-entrant: a request that encodes its missed chunks takes it again.
+    is re-entrant: a request that encodes its missed chunks takes it again. It
+    is a ``ForwardLock``: background encoding yields it to requests.
+
+    ``costs`` keeps the measured costs of full prefill, chunk encoding and
+    reuse on these weights (``CostModel``), which ``on_miss="auto"`` decides by.
     """
 
     model: Any
@@ -115,7 +120,14 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     layout: ModelLayout
-    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    lock: ForwardLock = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    costs: CostModel = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.lock is None:
+            self.lock = ForwardLock(self.device)
+        if self.costs is None:
+            self.costs = CostModel(self.device)
 
     @property
     def context_window(self) -> int:

@@ -11,13 +11,17 @@ forwards) and returns the prefill forward, run under the weights' forward lock.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvrag_integrations.engine.results import PrefillResult
+from kvrag_integrations.chunk_kv import ChunkKV
+from kvrag_integrations.engine.entries import Miss
+from kvrag_integrations.engine.miss_policy import ON_MISS, Misses, check_on_miss, decide
+from kvrag_integrations.engine.results import ChunkSources, PrefillResult
 from kvrag_integrations.engine.sampling import SAMPLING_ARGS, SamplingParams
 from kvrag_integrations.engine.segments import Segment, TokenizedPrompt, cache_leading_text
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
@@ -25,7 +29,9 @@ from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy, mak
 if TYPE_CHECKING:
     from kvrag_integrations.engine.engine import KVRAGEngine
 
-ON_MISS = ("defer", "encode")
+logger = logging.getLogger(__name__)
+
+__all__ = ["ON_MISS", "Request", "RequestOptions", "check_on_miss", "plan_prefill", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -122,12 +128,6 @@ class Request:
     started: float
 
 
-def check_on_miss(on_miss: str) -> str:
-    if on_miss not in ON_MISS:
-        raise ValueError(f"on_miss must be one of {ON_MISS}, got {on_miss!r}")
-    return on_miss
-
-
 def prepare(
     engine: KVRAGEngine,
     options: RequestOptions,
@@ -161,25 +161,139 @@ def prepare(
 
 
 def plan_prefill(engine: KVRAGEngine, request: Request) -> Callable[[], PrefillResult]:
-    """Read (or, with ``on_miss="encode"``, encode) the prompt's chunk caches;
-    return the prefill forward to run (it takes the forward lock)."""
+    """Read the prompt's chunk caches, decide what to do about missing ones
+    (``miss_policy.decide``), take over or encode them if reusing, and return the
+    prefill forward to run (it takes the forward lock)."""
     strat, prompt, started = request.strategy, request.prompt, request.started
+    sources = ChunkSources(policy=request.on_miss)
     if not strat.uses_chunk_caches:
-        return partial(_run, engine, strat, prompt, [], set(), started)
+        sources.reason = f"strategy {strat.name!r} reads no chunk caches"
+        return partial(_run, engine, strat, prompt, [], started, sources)
     cached = cache_leading_text(prompt) if engine.cache_prefix else prompt
     found, missing = engine.caches.lookup(cached)
-    if request.on_miss == "defer" and any(not m.is_prefix for m in missing.values()):
-        # Never slower than no reuse: encoding the misses first and then
-        # reusing them costs more than one plain prefill. Answer by the
-        # model's own forward; the misses are encoded off the request path,
-        # chunks first (if the queue is nearly full, they matter more).
-        misses = dict(sorted(missing.items(), key=lambda km: km[1].is_prefix))
-        return partial(_run, engine, make_strategy("full"), prompt, [], set(), started, misses)
-    # Only the leading text missing (its cache is what a full prefill computes
-    # anyway), or on_miss="encode": encode now and reuse.
-    found.update(engine.caches.encode_missing(missing))
+    status, seen = engine.encoder.state(missing)
+    misses = Misses(
+        *(
+            [len(m.ids) for k, m in missing.items() if not m.is_prefix and status.get(k) == kind]
+            for kind in (None, "queued", "in flight")
+        )
+    )
+    plan = decide(
+        request.on_miss,
+        misses,
+        engine.loaded.costs,
+        strategy=strat.name,
+        prompt_tokens=prompt.num_tokens,
+        computed_tokens=_computed_tokens(strat, cached),
+        can_wait=not engine.loaded.lock.held(),
+    )
+    sources.evicted = sum(m.evicted for m in missing.values())
+    sources.reason = plan.reason
+    if sources.evicted:
+        sources.reason += f" ({sources.evicted} of them stored before: evicted since)"
+    if not plan.reuse:
+        logger.debug("full prefill: %s", plan.reason)
+        # Chunks first in the queue (if it is nearly full, they matter more).
+        deferred = dict(sorted(missing.items(), key=lambda km: km[1].is_prefix))
+        return partial(_run, engine, make_strategy("full"), prompt, [], started, sources, deferred)
+    logger.debug("reuse: %s", plan.reason)
+    chunk_keys = {k for k in found if k not in missing} - _prefix_keys(engine, cached)
+    sources.reused = len(chunk_keys)
+    got, lazy, taken = gather_missing(engine, missing, seen, sources)
+    found.update(got)
     kvs = engine.caches.on_device(cached, found)
-    return partial(_run, engine, strat, cached, kvs, set(missing), started)
+    _check_residency(engine, cached, kvs, sources)
+    return partial(_run, engine, strat, cached, kvs, started, sources, None, lazy, taken)
+
+
+def gather_missing(
+    engine: KVRAGEngine, missing: dict[str, Miss], seen: int | None, sources: ChunkSources
+) -> tuple[dict[str, ChunkKV], set[str], set[str]]:
+    """The caches of ``missing``, each encoded once whoever else needs it.
+
+    Claims every missing key on the engine's ledger (``BackgroundEncoder.claim``):
+    queued ones are taken off the queue and, with new ones, encoded here (under
+    the forward lock); ones in flight elsewhere are waited for. Counts them in
+    ``sources`` (chunks only). Returns the caches by key, the keys encoded for
+    this request alone (prefilled) and the keys taken over from the queue.
+    """
+    ledger = engine.encoder
+    claim = ledger.claim({k: (m.ids, m.store) for k, m in missing.items()}, seen)
+    got: dict[str, ChunkKV] = {}
+    stored: dict[str, ChunkKV] = {}
+    todo: dict[str, Miss] = {}
+    try:
+        if claim.stale:  # an encoding ended since the lookup: it may be stored now
+            stored = _read(engine, {k: missing[k] for k, f in claim.mine.items() if not f.queued})
+        todo = {k: missing[k] for k in claim.mine if k not in stored}
+        got.update(stored)
+        got.update(engine.caches.encode_missing(todo))
+    finally:
+        ledger.finish(claim.mine.values(), got)
+    taken = {k for k in todo if claim.mine[k].queued}
+    lazy = set(todo) - taken
+    chunk = {k for k, m in missing.items() if not m.is_prefix}
+    sources.encoded += len(lazy & chunk)
+    sources.taken_over += len(taken & chunk)
+    sources.reused += len(stored.keys() & chunk)
+    if claim.theirs and engine.loaded.lock.held():
+        # The caller holds the forward lock, which those encodings need: they
+        # cannot end while it waits, so it encodes them too (the one exception).
+        more, more_lazy, _ = _encode_now(engine, {k: missing[k] for k in claim.theirs})
+        got.update(more)
+        lazy |= more_lazy
+        sources.encoded += len(more_lazy & chunk)
+    elif claim.theirs:
+        done = ledger.await_flights(claim.theirs)
+        ok = {k: kv for k, kv in done.items() if kv is not None}
+        failed = {k: missing[k] for k in done if k not in ok}
+        ok.update(_read(engine, failed))  # failed there, or stored without handing it over
+        got.update(ok)
+        sources.awaited += len(ok.keys() & chunk)
+        again = {k: m for k, m in failed.items() if k not in ok}
+        if again:  # failed elsewhere: this request encodes them
+            more, more_lazy, more_taken = gather_missing(engine, again, None, sources)
+            got.update(more)
+            lazy |= more_lazy
+            taken |= more_taken
+    return got, lazy, taken
+
+
+def _encode_now(
+    engine: KVRAGEngine, missing: dict[str, Miss]
+) -> tuple[dict[str, ChunkKV], set[str], set[str]]:
+    """Encode ``missing`` outside the ledger (see ``gather_missing``)."""
+    return engine.caches.encode_missing(missing), set(missing), set()
+
+
+def _read(engine: KVRAGEngine, missing: dict[str, Miss]) -> dict[str, ChunkKV]:
+    """Those of ``missing`` stored now (each from its own store)."""
+    fp = engine.fingerprint
+    read = {k: m.store.get(k, fp) for k, m in missing.items()}
+    return {k: kv for k, kv in read.items() if kv is not None}
+
+
+def _prefix_keys(engine: KVRAGEngine, prompt: TokenizedPrompt) -> set[str]:
+    return {engine.caches.piece_key(p) for p in prompt.cached_pieces if p.is_prefix}
+
+
+def _computed_tokens(strat: Strategy, prompt: TokenizedPrompt) -> int:
+    """Tokens a reuse strategy computes: the text, the last token, and blend's share."""
+    cached = sum(p.ids.numel() for p in prompt.cached_pieces)
+    ratio = float(getattr(strat, "recompute_ratio", 0.0) or 0.0)
+    chunks = sum(p.ids.numel() for p in prompt.chunk_pieces)
+    return prompt.num_tokens - cached + 1 + int(ratio * chunks)
+
+
+def _check_residency(
+    engine: KVRAGEngine, prompt: TokenizedPrompt, kvs: list[ChunkKV], sources: ChunkSources
+) -> None:
+    """Warn (once per engine) when the prompt's chunk caches cannot all stay in the store."""
+    chunks = [kv for kv, p in zip(kvs, prompt.cached_pieces) if not p.is_prefix]
+    nbytes = sum(kv.nbytes for kv in {id(kv): kv for kv in chunks}.values())
+    reason = engine.caches.residency.check(engine.store, nbytes, len(chunks))
+    if reason is not None:
+        sources.reason += f"; {reason}"
 
 
 def _run(
@@ -187,14 +301,33 @@ def _run(
     strat: Strategy,
     prompt: TokenizedPrompt,
     kvs: list[Any],
-    lazy: set[str],
     started: float,
-    misses: dict[str, Any] | None = None,
+    sources: ChunkSources,
+    misses: dict[str, Miss] | None = None,
+    lazy: set[str] = frozenset(),  # type: ignore[assignment]
+    taken: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> PrefillResult:
     with engine.exclusive():
+        begun = time.perf_counter()
         output = strat.prefill(engine.loaded, prompt, kvs)
+        forward_s = time.perf_counter() - begun
+    _record(engine, strat, prompt, output, forward_s)
     elapsed = time.perf_counter() - started
-    pre = PrefillResult(output, prompt, strat.name, lazy, engine.fingerprint, elapsed)
+    pre = PrefillResult(output, prompt, strat.name, set(lazy), engine.fingerprint, elapsed)
+    pre.sources, pre.taken_keys = sources, set(taken)
     if misses is not None:  # uncached chunks: answered by plain prefill
-        pre.fallback, pre.misses = "uncached", misses
+        evicted = any(m.evicted for m in misses.values())
+        pre.fallback, pre.misses = ("evicted" if evicted else "uncached"), misses
     return pre
+
+
+def _record(
+    engine: KVRAGEngine, strat: Strategy, prompt: TokenizedPrompt, output: Any, seconds: float
+) -> None:
+    """Feed the measured forward to the cost model (``on_miss="auto"`` decides by it)."""
+    costs = engine.loaded.costs
+    if not strat.uses_chunk_caches:
+        costs.record_full(prompt.num_tokens, seconds)
+        return
+    _, recomputed, prefilled = output.token_counts()
+    costs.record_reuse(strat.name, prompt.num_tokens, recomputed + prefilled, seconds)

@@ -119,31 +119,36 @@ def answer(
 ) -> Iterator[str]:
     """One request: its caches read, then prefill and decoding under the forward lock.
 
-    The lock is released before the fallback's missed chunks are queued for
-    background encoding, so the encoder never runs between prefill and decoding.
+    The request counts as foreground work on the forward lock from its planning
+    on (background encoding pauses for it), and the lock is released before the
+    fallback's missed chunks are queued for background encoding, so the encoder
+    never runs between prefill and decoding.
     """
-    prefill = plan_prefill(engine, request)
     lock = engine.loaded.lock
-    if not acquire(lock, cancel):
-        result.finish_reason = "cancelled"
-        return
     pre = None
     try:
-        pre = prefill()
-        pre.fill(result)
-        yield from decode(
-            engine.model,
-            engine.tokenizer,
-            pre.output.kv,
-            pre.output.logits,
-            params,
-            result,
-            request.started,
-            engine.eos_token_ids,
-            cancel,
-        )
+        with lock.request():  # from here on, background encoding pauses for this request
+            prefill = plan_prefill(engine, request)
+            if not acquire(lock, cancel):
+                result.finish_reason = "cancelled"
+                return
+            try:
+                pre = prefill()
+                pre.fill(result)
+                yield from decode(
+                    engine.model,
+                    engine.tokenizer,
+                    pre.output.kv,
+                    pre.output.logits,
+                    params,
+                    result,
+                    request.started,
+                    engine.eos_token_ids,
+                    cancel,
+                )
+            finally:
+                lock.release()
     finally:
-        lock.release()
         if pre is not None:  # misses of a fallback: encoded once this request is answered
             result.deferred_chunks = engine.queue_deferred(pre)
 

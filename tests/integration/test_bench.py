@@ -116,6 +116,17 @@ def test_peer_reuses_the_chunks_it_is_given(results: Path) -> None:
     assert abs(rows["KVRAGLLM full"]["prompt_tokens"] - rows["HuggingFaceLLM"]["prompt_tokens"]) < 8
 
 
+def test_cold_rows_and_no_chunk_encoded_twice(results: Path) -> None:
+    payload = _strict((results / "cold.json").read_text())
+    rows = {r["llm"]: r for r in payload["results"]}
+    assert rows["KVRAGLLM full"]["vs_full"] == 1.0
+    second = rows["KVRAGLLM turbo second request, right after (no wait)"]
+    assert second["fell_back"] == 0 and second["reused"] > 0  # took the queued work over
+    assert rows["KVRAGLLM turbo next request, once encoded"]["fell_back"] == 0
+    assert payload["max_encodings_per_key"] == 1
+    assert payload["cold_vs_full"] > 0 and payload["leftover_slowdown"] > 0
+
+
 def test_memory_sizes(results: Path, engine) -> None:
     payload = _strict((results / "memory.json").read_text())
     by = {r["dtype"]: r for r in payload["results"]}

@@ -46,7 +46,7 @@ def test_exiting_with_background_encoding_in_flight_is_clean(tmp_path) -> None:
 
     code = (
         "from kvrag_integrations import KVRAGEngine\n"
-        "e = KVRAGEngine.from_pretrained()\n"
+        "e = KVRAGEngine.from_pretrained(on_miss='defer')\n"
         f"chunks = [{TOWER!r} * 8, {REEF!r} * 8]\n"
         "r = e.generate(question='Q?', chunks=chunks, max_new_tokens=1)\n"
         "assert r.fallback == 'uncached' and r.deferred_chunks == 2\n"

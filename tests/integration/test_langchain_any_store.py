@@ -54,12 +54,14 @@ def format_docs(docs: list[Document]) -> str:
 
 @pytest.fixture()
 def fresh(engine: KVRAGEngine, monkeypatch: pytest.MonkeyPatch) -> KVRAGEngine:
-    """The session's weights with an empty store and the default (deferred) misses,
-    and an empty registry of recently retrieved texts (earlier tests retrieved
-    the same documents: each test must recognise them on its own)."""
+    """The session's weights with an empty store and deferred misses (the default
+    "auto" defers on CPU until its measured costs say encoding is cheaper; the
+    second request without waiting: test_second_request.py), and an empty
+    registry of recently retrieved texts (earlier tests retrieved the same
+    documents: each test must recognise them on its own)."""
     hooks.install_hooks()
     monkeypatch.setattr(hooks, "_RECENT", ChunkIndex(max_chunks=MAX_RECENT_CHUNKS))
-    return KVRAGEngine(engine.loaded, store=MemoryKVStore())
+    return KVRAGEngine(engine.loaded, store=MemoryKVStore(), on_miss="defer")
 
 
 class Received(BaseCallbackHandler):

@@ -316,7 +316,9 @@ def test_closing_a_stream_early_frees_the_engine(engine: KVRAGEngine) -> None:
 
 # ------------------------------------------------- never slower than no reuse
 def test_cold_request_is_a_full_prefill_and_the_next_one_reuses(engine: KVRAGEngine) -> None:
-    e = KVRAGEngine(engine.loaded, store=MemoryKVStore())  # the default: on_miss="defer"
+    # on_miss="defer" (the default "auto" defers too until it has measured costs
+    # saying otherwise, test_miss_policy.py)
+    e = KVRAGEngine(engine.loaded, store=MemoryKVStore(), on_miss="defer")
     kw = dict(question=QUESTION, chunks=[TOWER, REEF], max_new_tokens=2)
     cold = e.generate(strategy="turbo", **kw)
     assert (cold.fallback, cold.strategy, cold.deferred_chunks) == ("uncached", "full", 2)
@@ -354,7 +356,7 @@ def test_on_miss_encode_keeps_the_synchronous_fill(engine: KVRAGEngine) -> None:
 
 
 def test_the_background_queue_is_bounded_and_never_blocks(engine: KVRAGEngine) -> None:
-    e = KVRAGEngine(engine.loaded, store=MemoryKVStore(), max_pending=1)
+    e = KVRAGEngine(engine.loaded, store=MemoryKVStore(), max_pending=1, on_miss="defer")
     release = threading.Event()
     encode = e.encoder._encode
     e.encoder._encode = lambda jobs: (release.wait(60), encode(jobs))  # a slow worker
