@@ -84,7 +84,8 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "LlamaConfig",
         dict(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=49152, max_position_embeddings=8192,
+            # 49280: room for the bundled tokenizer's added tokens (49157 on transformers 5.0)
+            num_key_value_heads=2, vocab_size=49280, max_position_embeddings=8192,
             rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
             tie_word_embeddings=True,
         ),
