@@ -12,13 +12,13 @@ noise, so only timings mean anything. bfloat16 on CUDA, float32 on CPU.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import transformers
 
 from kvrag_integrations.engine import model as model_module
+from kvrag_integrations.engine.hf_compat import prefer_grouped_sdpa
 from kvrag_integrations.engine.host_memory import keep_freed_memory
 from kvrag_integrations.engine.layout import ModelLayout
 from kvrag_integrations.engine.model import (
@@ -133,7 +133,7 @@ def dummy_model(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if dev.type == "cpu":  # as load_model does for CPU models (see there why)
-        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+        prefer_grouped_sdpa()
         keep_freed_memory()
     tokenizer = tokenizer if tokenizer is not None else bundled_tokenizer()
     if len(tokenizer) > SHAPES[name][1]["vocab_size"]:
