@@ -56,7 +56,7 @@ def format_docs(docs: list[Document]) -> str:
 def fresh(engine: KVRAGEngine, monkeypatch: pytest.MonkeyPatch) -> KVRAGEngine:
     """The session's weights with an empty store and deferred misses (the default
     "auto" defers on CPU until its measured costs say encoding is cheaper; the
-    second request without waiting: test_second_request.py), and an empty
+    second request without waiting: test_second_request_frameworks.py), and an empty
     registry of recently retrieved texts (earlier tests retrieved the same
     documents: each test must recognise them on its own)."""
     hooks.install_hooks()

@@ -46,7 +46,7 @@ QUESTION = "What is the capital of Australia?"
 def cold(engine: KVRAGEngine) -> KVRAGEngine:
     """Deferred misses on an empty store (what the default "auto" does on CPU until
     its measured costs say encoding is cheaper; the second request without
-    waiting: test_second_request.py)."""
+    waiting: test_second_request_frameworks.py)."""
     return KVRAGEngine(engine.loaded, store=MemoryKVStore(), on_miss="defer")
 
 
