@@ -18,9 +18,9 @@ import torch
 
 from kvrag_integrations.bench.common import RagItem, markdown_table, trimmed_chunks
 from kvrag_integrations.bench.quality import engine_for
-from kvrag_integrations.engine.attention_mass import attention_mass
 from kvrag_integrations.engine.engine import KVRAGEngine
-from kvrag_integrations.engine.forward import run_tokens
+from kvrag_integrations.engine.modeling.attention_mass import attention_mass
+from kvrag_integrations.engine.modeling.forward import run_tokens
 from kvrag_integrations.engine.strategies import TurboRAG
 from kvrag_integrations.engine.strategies.reuse import with_last
 

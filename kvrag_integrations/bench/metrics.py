@@ -73,8 +73,8 @@ def answer_loglik(lm: Any, kv: Any, first_logits: torch.Tensor, answer_ids: torc
     Returns:
         The mean over the answer's tokens of log p(token | prompt, previous answer tokens).
     """
-    from kvrag_integrations.engine.generate import to_dynamic_cache
-    from kvrag_integrations.engine.hf_compat import cache_argument
+    from kvrag_integrations.engine.modeling.generate import to_dynamic_cache
+    from kvrag_integrations.engine.modeling.hf_compat import cache_argument
 
     ids = answer_ids.to(lm.device)
     if ids.numel() == 0:

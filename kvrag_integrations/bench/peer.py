@@ -30,7 +30,7 @@ from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trimmed_chunks
 from kvrag_integrations.bench.metrics import token_f1
 from kvrag_integrations.bench.quality import label
-from kvrag_integrations.engine.segments import rag_user_segments
+from kvrag_integrations.engine.prompting.segments import rag_user_segments
 
 PEER = "HuggingFaceLLM"
 STRATEGIES: list[tuple[str, dict[str, Any]]] = [

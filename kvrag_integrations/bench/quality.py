@@ -22,7 +22,7 @@ from kvrag_integrations.bench.metrics import (
     token_f1,
 )
 from kvrag_integrations.engine.engine import KVRAGEngine
-from kvrag_integrations.engine.segments import tokenize_text
+from kvrag_integrations.engine.prompting.segments import tokenize_text
 from kvrag_integrations.store import MemoryKVStore
 
 DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [

@@ -37,7 +37,7 @@ from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, sync, timed
 from kvrag_integrations.bench.quality import label
 from kvrag_integrations.engine.engine import KVRAGEngine
-from kvrag_integrations.engine.forward import run_tokens
+from kvrag_integrations.engine.modeling.forward import run_tokens
 from kvrag_integrations.store import DiskKVStore, TieredKVStore
 
 STRATEGIES: list[tuple[str, dict[str, Any]]] = [

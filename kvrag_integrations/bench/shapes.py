@@ -17,11 +17,11 @@ from typing import Any
 import torch
 import transformers
 
-from kvrag_integrations.engine import model as model_module
-from kvrag_integrations.engine.hf_compat import prefer_grouped_sdpa
-from kvrag_integrations.engine.host_memory import keep_freed_memory
-from kvrag_integrations.engine.layout import ModelLayout
-from kvrag_integrations.engine.model import (
+from kvrag_integrations.engine.modeling import model as model_module
+from kvrag_integrations.engine.modeling.hf_compat import prefer_grouped_sdpa
+from kvrag_integrations.engine.modeling.host_memory import keep_freed_memory
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.engine.modeling.model import (
     LoadedModel,
     model_fingerprint,
     resolve_device,

@@ -17,8 +17,8 @@ from kvrag_integrations.cli.common import (
     get_collection,
     store_from,
 )
-from kvrag_integrations.engine.generate import SamplingParams
-from kvrag_integrations.engine.segments import check_text
+from kvrag_integrations.engine.modeling.generate import SamplingParams
+from kvrag_integrations.engine.prompting.segments import check_text
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 _SOURCE_FIELD = "file_path"

@@ -11,13 +11,25 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import check_precision
-from kvrag_integrations.engine import prompts, registry
-from kvrag_integrations.engine.background import BackgroundEncoder
-from kvrag_integrations.engine.chunk_caches import ChunkCaches
-from kvrag_integrations.engine.entries import DEFAULT_CHUNK_CONTEXT, DEFAULT_CHUNK_SUFFIX
-from kvrag_integrations.engine.generate import GenerationResult
-from kvrag_integrations.engine.miss_policy import DEFAULT_ON_MISS
-from kvrag_integrations.engine.model import LoadedModel
+from kvrag_integrations.engine import registry
+from kvrag_integrations.engine.caching.chunk_caches import ChunkCaches
+from kvrag_integrations.engine.caching.entries import (
+    DEFAULT_CHUNK_CONTEXT,
+    DEFAULT_CHUNK_SUFFIX,
+    ChunkRef,
+)
+from kvrag_integrations.engine.modeling.generate import GenerationResult
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.modeling.sampling import SamplingParams
+from kvrag_integrations.engine.prompting import prompts
+from kvrag_integrations.engine.prompting.segments import (
+    Chunk,
+    Segment,
+    Text,
+    TokenizedPrompt,
+    tokenize_segments,
+)
+from kvrag_integrations.engine.prompting.spans import ChunkIndex
 from kvrag_integrations.engine.request import (
     ON_MISS,
     RequestOptions,
@@ -25,16 +37,9 @@ from kvrag_integrations.engine.request import (
     plan_prefill,
     prepare,
 )
-from kvrag_integrations.engine.results import ChunkRef, PrefillResult
-from kvrag_integrations.engine.sampling import SamplingParams
-from kvrag_integrations.engine.segments import (
-    Chunk,
-    Segment,
-    Text,
-    TokenizedPrompt,
-    tokenize_segments,
-)
-from kvrag_integrations.engine.spans import ChunkIndex
+from kvrag_integrations.engine.results import PrefillResult
+from kvrag_integrations.engine.scheduling.background import BackgroundEncoder
+from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy
 from kvrag_integrations.engine.streaming import (
     AsyncGenerationStream,
@@ -94,7 +99,7 @@ class KVRAGEngine(registry.EngineLoading):
                 made: ``store.budget.memory_budget``).
             cache_prefix: cache the prompt's leading text like a chunk.
             on_miss: what a request does about chunks of its prompt with no cache
-                (``engine.miss_policy``): ``"auto"`` (default) encodes them and
+                (``engine.scheduling.miss_policy``): ``"auto"`` (default) encodes them and
                 reuses them when that is estimated (``loaded.costs``, measured) to
                 cost no more than a full prefill, else defers; ``"defer"``
                 answers by plain prefill and encodes them in the background for
@@ -192,7 +197,7 @@ class KVRAGEngine(registry.EngineLoading):
         same ``LoadedModel``, runs under this lock; code that runs its own
         forwards on ``engine.model`` (the reranker) does so inside
         ``with engine.exclusive():``. Re-entrant. Background encoding yields
-        to whoever waits for it (``engine.forward_lock.ForwardLock``).
+        to whoever waits for it (``engine.scheduling.forward_lock.ForwardLock``).
         """
         return self.loaded.lock
 

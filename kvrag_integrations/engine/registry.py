@@ -242,7 +242,7 @@ class EngineLoading:
             **engine_options: ``cache_prefix``, ``on_miss``, ``max_pending``,
                 ``chunk_suffix``, ``chunk_context`` (see ``KVRAGEngine``).
         """
-        from kvrag_integrations.engine.model import load_model
+        from kvrag_integrations.engine.modeling.model import load_model
 
         loaded = load_model(
             model,

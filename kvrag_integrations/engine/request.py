@@ -19,11 +19,15 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.entries import Miss
-from kvrag_integrations.engine.miss_policy import ON_MISS, Misses, check_on_miss, decide
+from kvrag_integrations.engine.caching.entries import Miss
+from kvrag_integrations.engine.modeling.sampling import SAMPLING_ARGS, SamplingParams
+from kvrag_integrations.engine.prompting.segments import (
+    Segment,
+    TokenizedPrompt,
+    cache_leading_text,
+)
 from kvrag_integrations.engine.results import ChunkSources, PrefillResult
-from kvrag_integrations.engine.sampling import SAMPLING_ARGS, SamplingParams
-from kvrag_integrations.engine.segments import Segment, TokenizedPrompt, cache_leading_text
+from kvrag_integrations.engine.scheduling.miss_policy import ON_MISS, Misses, check_on_miss, decide
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
 
 if TYPE_CHECKING:

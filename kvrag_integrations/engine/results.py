@@ -8,17 +8,9 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import cache_key
-from kvrag_integrations.engine.generate import GenerationResult
-from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.modeling.generate import GenerationResult
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies import PrefillOutput
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    """Where a chunk's cache lives: its store key and token count."""
-
-    key: str
-    num_tokens: int
 
 
 @dataclass

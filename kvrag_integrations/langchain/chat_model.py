@@ -14,7 +14,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag_integrations.engine import GenerationResult, KVRAGEngine
-from kvrag_integrations.engine.prompts import PROMPT_ARGS
+from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
 from kvrag_integrations.engine.request import RequestOptions
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.errors import UnsupportedInputError

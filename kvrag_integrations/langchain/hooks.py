@@ -28,7 +28,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 
 from kvrag_integrations.engine import registry
-from kvrag_integrations.engine.spans import MAX_RECENT_CHUNKS, ChunkIndex
+from kvrag_integrations.engine.prompting.spans import MAX_RECENT_CHUNKS, ChunkIndex
 
 _RECENT = ChunkIndex(max_chunks=MAX_RECENT_CHUNKS)
 RECORD_SEARCHES_ENV = "KVRAG_LANGCHAIN_RECORD_SEARCHES"

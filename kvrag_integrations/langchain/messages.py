@@ -22,7 +22,7 @@ from langchain_core.messages import (
 )
 
 from kvrag_integrations.engine import CACHE_KEY_FIELD, Chunk, KVRAGEngine, Segment, Text
-from kvrag_integrations.engine.spans import message_segments
+from kvrag_integrations.engine.prompting.spans import message_segments
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain.hooks import recent_chunks
 

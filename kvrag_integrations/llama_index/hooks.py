@@ -43,7 +43,7 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import BaseNode, NodeWithScore
 
 from kvrag_integrations.engine import registry
-from kvrag_integrations.engine.spans import MAX_RECENT_CHUNKS, ChunkIndex
+from kvrag_integrations.engine.prompting.spans import MAX_RECENT_CHUNKS, ChunkIndex
 from kvrag_integrations.llama_index._nodes import llm_texts
 
 MAX_REQUEST_CHUNKS = 256  # the most recent node texts kept per request context

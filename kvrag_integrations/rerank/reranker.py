@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
-from kvrag_integrations.engine.hf_compat import cache_argument
-from kvrag_integrations.engine.segments import check_text, check_texts
+from kvrag_integrations.engine.modeling.hf_compat import cache_argument
+from kvrag_integrations.engine.prompting.segments import check_text, check_texts
 from kvrag_integrations.errors import UnsupportedModelError
 from kvrag_integrations.rerank.scoring import batch_cache, batch_inputs, judge, query_likelihood
 from kvrag_integrations.rerank.templates import (

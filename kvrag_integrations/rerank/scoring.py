@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.hf_compat import layered_cache
+from kvrag_integrations.engine.modeling.hf_compat import layered_cache
 
 
 def batch_inputs(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvrag_integrations.engine.segments import TokenizedPrompt, cache_leading_text
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt, cache_leading_text
 from kvrag_integrations.train.mask import TurboLayout, causal_layout, turbo_layout
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

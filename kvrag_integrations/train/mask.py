@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.reuse import POSITION_MODES
 
 
@@ -61,7 +61,7 @@ def turbo_layout(
         positions: ``"reordered"`` (turbo's default) or ``"composite"``.
 
     Examples:
-        >>> from kvrag_integrations.engine.segments import Piece
+        >>> from kvrag_integrations.engine.prompting.segments import Piece
         >>> p = TokenizedPrompt([Piece(torch.tensor([1, 2]), "text", "a"),
         ...                      Piece(torch.tensor([3, 4, 5]), "chunk", "b")])
         >>> lay = turbo_layout(p, answer_tokens=1)

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvrag_integrations.engine.engine import KVRAGEngine
-from kvrag_integrations.engine.model import LoadedModel, load_model
+from kvrag_integrations.engine.modeling.model import LoadedModel, load_model
 from kvrag_integrations.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from kvrag_integrations.train.data import RagExample, load_corpus, prompt_chunks, split
 from kvrag_integrations.train.distill import (

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvrag_integrations import KVRAGEngine, MemoryKVStore
-from kvrag_integrations.engine import forward
-from kvrag_integrations.engine.forward import PromptKV, run_tokens
+from kvrag_integrations.engine.modeling import forward
+from kvrag_integrations.engine.modeling.forward import PromptKV, run_tokens
 from kvrag_integrations.engine.strategies.blend import CacheBlend
 from kvrag_integrations.engine.strategies.reuse import with_last
 from kvrag_integrations.engine.strategies.turbo import TurboRAG

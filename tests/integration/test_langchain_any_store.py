@@ -28,7 +28,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from kvrag_integrations import Chunk, GenerationResult, KVRAGEngine, MemoryKVStore
-from kvrag_integrations.engine.spans import MAX_RECENT_CHUNKS, ChunkIndex
+from kvrag_integrations.engine.prompting.spans import MAX_RECENT_CHUNKS, ChunkIndex
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain import ChatKVRAG, MiniLMEmbeddings, add_documents, hooks
 

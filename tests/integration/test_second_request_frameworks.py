@@ -23,7 +23,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from kvrag_integrations import KVRAGEngine, MemoryKVStore
-from kvrag_integrations.engine.spans import MAX_RECENT_CHUNKS, ChunkIndex
+from kvrag_integrations.engine.prompting.spans import MAX_RECENT_CHUNKS, ChunkIndex
 from kvrag_integrations.langchain import ChatKVRAG, MiniLMEmbeddings, hooks
 
 

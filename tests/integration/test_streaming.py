@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kvrag_integrations import KVRAGEngine, MemoryKVStore, Text
-from kvrag_integrations.engine.generate import TextDecoder
+from kvrag_integrations.engine.modeling.generate import TextDecoder
 from kvrag_integrations.errors import ContextWindowExceededError
 
 QUESTION = "When was the Eiffel Tower completed?"
@@ -217,7 +217,7 @@ def test_exiting_with_a_stream_in_flight_is_clean() -> None:
 
 def test_a_stop_string_across_tokens_is_cut_where_it_starts(eng: KVRAGEngine) -> None:
     """transformers' StopStringCriteria ends decoding; the text stops before the string."""
-    from kvrag_integrations.engine.generate import stop_string_criteria
+    from kvrag_integrations.engine.modeling.generate import stop_string_criteria
 
     kw = dict(question=QUESTION, chunks=[CHUNK], max_new_tokens=24)
     plain = eng.generate(**kw)

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("peft")
 
 from kvrag_integrations import KVRAGEngine
-from kvrag_integrations.engine.model import load_model
+from kvrag_integrations.engine.modeling.model import load_model
 from kvrag_integrations.train.checkpoint import trainable_state
 from kvrag_integrations.train.data import RagExample, is_heldout, split
 from kvrag_integrations.train.distill import build_sample, sample_loss, student_logits

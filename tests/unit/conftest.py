@@ -17,9 +17,9 @@ import transformers
 
 from kvrag_integrations import KVRAGEngine
 from kvrag_integrations import embeddings as embeddings_module
-from kvrag_integrations.engine import model as model_module
-from kvrag_integrations.engine.layout import ModelLayout
-from kvrag_integrations.engine.model import LoadedModel, model_fingerprint
+from kvrag_integrations.engine.modeling import model as model_module
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.engine.modeling.model import LoadedModel, model_fingerprint
 
 TINY_NAME = "tiny-llama"
 _default_model_file = model_module.default_model_file  # before no_real_weights patches it

@@ -20,10 +20,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvrag_integrations import Chunk, KVRAGEngine, Text
 from kvrag_integrations.chunk_kv import QUANT_NAMES
-from kvrag_integrations.engine import segments as segments_module
-from kvrag_integrations.engine.chunk_tokens import ChunkTokens
-from kvrag_integrations.engine.model import LoadedModel
-from kvrag_integrations.engine.segments import cache_leading_text
+from kvrag_integrations.engine.caching.chunk_tokens import ChunkTokens
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.prompting import segments as segments_module
+from kvrag_integrations.engine.prompting.segments import cache_leading_text
 from kvrag_integrations.engine.strategies import reuse
 from kvrag_integrations.engine.strategies.turbo import TurboRAG
 from kvrag_integrations.store import DiskKVStore, TieredKVStore

@@ -25,7 +25,7 @@ from kvrag_integrations.bench.__main__ import (
     suite_options,
 )
 from kvrag_integrations.bench.common import load_items, write_results
-from kvrag_integrations.engine.model import LoadedModel
+from kvrag_integrations.engine.modeling.model import LoadedModel
 
 
 @pytest.mark.parametrize(

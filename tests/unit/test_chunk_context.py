@@ -22,13 +22,13 @@ import torch
 from test_families import THREE_CHUNKS, assert_close, full_logits, ids, prompt_of
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.attention_mass import attention_mass
-from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.entries import attach_suffix
-from kvrag_integrations.engine.forward import PromptKV, run_tokens
-from kvrag_integrations.engine.hf_compat import DynamicCache, cache_argument
-from kvrag_integrations.engine.model import LoadedModel
-from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.caching.chunks import encode_chunk_batch
+from kvrag_integrations.engine.caching.entries import attach_suffix
+from kvrag_integrations.engine.modeling.attention_mass import attention_mass
+from kvrag_integrations.engine.modeling.forward import PromptKV, run_tokens
+from kvrag_integrations.engine.modeling.hf_compat import DynamicCache, cache_argument
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies import CacheBlend, TurboRAG
 
 SINK = ids(1, 40)

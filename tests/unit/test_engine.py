@@ -26,9 +26,9 @@ from kvrag_integrations import (
     UnsupportedModelError,
     cache_key,
 )
-from kvrag_integrations.engine.hf_compat import output_cache
-from kvrag_integrations.engine.layout import ModelLayout
-from kvrag_integrations.engine.rope import shift_keys
+from kvrag_integrations.engine.modeling.hf_compat import output_cache
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.engine.modeling.rope import shift_keys
 
 
 def first_logits(engine: KVRAGEngine, segments, strategy: str, **kw) -> torch.Tensor:

@@ -18,9 +18,9 @@ from corpus import TOWER_QUESTION as QUESTION
 
 from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.chunk_kv import storage_fingerprint
-from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.entries import CHUNK_CONTEXTS, context_ids
-from kvrag_integrations.engine.hf_compat import output_cache
+from kvrag_integrations.engine.caching.chunks import encode_chunk_batch
+from kvrag_integrations.engine.caching.entries import CHUNK_CONTEXTS, context_ids
+from kvrag_integrations.engine.modeling.hf_compat import output_cache
 from kvrag_integrations.store import DiskKVStore
 
 EXACT = dict(on_miss="encode", cache_precision="model")

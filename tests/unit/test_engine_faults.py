@@ -28,7 +28,7 @@ from kvrag_integrations import (
     UnknownStrategyError,
 )
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.segments import Chunk
+from kvrag_integrations.engine.prompting.segments import Chunk
 from kvrag_integrations.store import decode_entry
 
 CHUNK = "The Rosetta Stone was found in 1799 near the town of Rashid in Egypt."

@@ -234,7 +234,7 @@ def test_plain_prompt_starts_with_bos_where_the_tokenizer_adds_it(adds_bos: bool
     """Without a chat template the prompt we lay out starts as ``tokenizer(text)``
     would (BOS for Gemma, Llama base models) and ends with an answer cue; segments
     given as the whole prompt are left as they are."""
-    from kvrag_integrations.engine.prompts import PLAIN_ANSWER_CUE, build_segments
+    from kvrag_integrations.engine.prompting.prompts import PLAIN_ANSWER_CUE, build_segments
 
     engine = _Engine(_BaseModelTokenizer(adds_bos))
     segs = build_segments(engine, question="Who?", chunks=[FACT])

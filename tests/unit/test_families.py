@@ -22,14 +22,18 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from kvrag_integrations.chunk_kv import QUANT_NAMES
-from kvrag_integrations.engine.chunk_caches import attach_suffix
-from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.generate import to_dynamic_cache
-from kvrag_integrations.engine.hf_compat import DynamicCache, cache_argument
-from kvrag_integrations.engine.layout import SUPPORTED_ARCHITECTURES, ModelLayout, RotaryShift
-from kvrag_integrations.engine.model import LoadedModel
-from kvrag_integrations.engine.segments import Piece, TokenizedPrompt
-from kvrag_integrations.engine.self_check import check_reuse
+from kvrag_integrations.engine.caching.chunk_caches import attach_suffix
+from kvrag_integrations.engine.caching.chunks import encode_chunk_batch
+from kvrag_integrations.engine.modeling.generate import to_dynamic_cache
+from kvrag_integrations.engine.modeling.hf_compat import DynamicCache, cache_argument
+from kvrag_integrations.engine.modeling.layout import (
+    SUPPORTED_ARCHITECTURES,
+    ModelLayout,
+    RotaryShift,
+)
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.modeling.self_check import check_reuse
+from kvrag_integrations.engine.prompting.segments import Piece, TokenizedPrompt
 from kvrag_integrations.engine.strategies import CacheBlend, FullPrefill, TurboRAG
 from kvrag_integrations.errors import UnsupportedModelError
 

@@ -9,10 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvrag_integrations.chunk_kv import cache_key
-from kvrag_integrations.engine.chunk_caches import ChunkCaches
-from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.layout import ModelLayout
-from kvrag_integrations.engine.model import LoadedModel
+from kvrag_integrations.engine.caching.chunk_caches import ChunkCaches
+from kvrag_integrations.engine.caching.chunks import encode_chunk_batch
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.engine.modeling.model import LoadedModel
 from kvrag_integrations.store import MemoryKVStore
 
 VOCAB = 96

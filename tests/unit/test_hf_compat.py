@@ -1,6 +1,6 @@
 """One compatibility layer for transformers internals, and the load-time self-check.
 
-Every transformers internal goes through ``engine/hf_compat.py``; reuse that a
+Every transformers internal goes through ``engine/modeling/hf_compat.py``; reuse that a
 release breaks is refused at load (``UnsupportedModelError`` naming the
 versions), never run: checked here by faking the breakages a release causes.
 """
@@ -16,10 +16,10 @@ import transformers
 
 import kvrag_integrations
 from kvrag_integrations import KVRAGEngine, UnsupportedModelError
-from kvrag_integrations.engine import hf_compat
-from kvrag_integrations.engine.forward import PromptCache
-from kvrag_integrations.engine.model import LoadedModel, load_model
-from kvrag_integrations.engine.self_check import check_reuse
+from kvrag_integrations.engine.modeling import hf_compat
+from kvrag_integrations.engine.modeling.forward import PromptCache
+from kvrag_integrations.engine.modeling.model import LoadedModel, load_model
+from kvrag_integrations.engine.modeling.self_check import check_reuse
 
 INTERNAL = (
     "transformers.cache_utils",
@@ -49,7 +49,8 @@ def test_only_the_compatibility_module_imports_transformers_internals() -> None:
         if path.name != "hf_compat.py" and (hits := _internal_imports(path))
     }
     assert offenders == {}
-    assert _internal_imports(PACKAGE / "engine" / "hf_compat.py")  # the scan does find them
+    # The scan does find them.
+    assert _internal_imports(PACKAGE / "engine" / "modeling" / "hf_compat.py")
 
 
 def test_self_check_passes_on_the_model_and_is_exact_in_float32(tiny_loaded: LoadedModel) -> None:

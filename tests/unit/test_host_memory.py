@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from kvrag_integrations.engine import host_memory
-from kvrag_integrations.engine import model as model_module
+from kvrag_integrations.engine.modeling import host_memory
+from kvrag_integrations.engine.modeling import model as model_module
 
 glibc_only = pytest.mark.skipif(host_memory._libc() is None, reason="needs glibc")
 

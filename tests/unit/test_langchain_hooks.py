@@ -18,7 +18,7 @@ import pytest
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
 
-from kvrag_integrations.engine.spans import ChunkIndex
+from kvrag_integrations.engine.prompting.spans import ChunkIndex
 from kvrag_integrations.langchain import hooks
 from kvrag_integrations.langchain.vectorstores import MARK, record_results, wrap_class
 

@@ -16,7 +16,7 @@ from corpus import on_disk
 
 from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.loader import ChunkLoader
+from kvrag_integrations.engine.caching.loader import ChunkLoader
 from kvrag_integrations.store import DiskKVStore, MemoryKVStore
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag_integrations.engine.segments import Chunk, Text
-from kvrag_integrations.engine.spans import ChunkIndex, message_segments
+from kvrag_integrations.engine.prompting.segments import Chunk, Text
+from kvrag_integrations.engine.prompting.spans import ChunkIndex, message_segments
 
 A = "Ada Lovelace wrote the first algorithm for a machine."
 B = "Charles Babbage designed the Analytical Engine."

@@ -12,16 +12,16 @@ from corpus import REEF, TOWER
 from corpus import TOWER_QUESTION as QUESTION
 
 from kvrag_integrations import KVRAGEngine, MemoryKVStore
-from kvrag_integrations.engine.costs import (
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.scheduling.costs import (
     CostModel,
     ForwardFit,
     encode_batches,
     prefill_features,
 )
-from kvrag_integrations.engine.forward_lock import ForwardLock
-from kvrag_integrations.engine.miss_policy import Misses, decide
-from kvrag_integrations.engine.model import LoadedModel
-from kvrag_integrations.engine.threads import per_thread_threads
+from kvrag_integrations.engine.scheduling.forward_lock import ForwardLock
+from kvrag_integrations.engine.scheduling.miss_policy import Misses, decide
+from kvrag_integrations.engine.scheduling.threads import per_thread_threads
 
 
 class Fed(CostModel):

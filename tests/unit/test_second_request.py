@@ -21,9 +21,9 @@ from corpus import CAPITALS, REEF, TOWER
 from corpus import TOWER_QUESTION as QUESTION
 
 from kvrag_integrations import Chunk, KVRAGEngine, MemoryKVStore
-from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.forward_lock import ForwardLock
-from kvrag_integrations.engine.model import LoadedModel
+from kvrag_integrations.engine.caching.chunks import encode_chunk_batch
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.scheduling.forward_lock import ForwardLock
 
 
 @pytest.fixture()
@@ -115,7 +115,7 @@ def test_a_request_waits_for_encodings_in_flight(loaded: LoadedModel) -> None:
 
 
 def cold_prompt(e: KVRAGEngine) -> Any:
-    from kvrag_integrations.engine.segments import cache_leading_text
+    from kvrag_integrations.engine.prompting.segments import cache_leading_text
 
     segments = e.build_segments(question=QUESTION, chunks=[TOWER, REEF])
     return cache_leading_text(e.tokenize(segments))

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from kvrag_integrations import KVRAGEngine, MemoryKVStore, SharedEngines, shared_engines
 from kvrag_integrations.engine import registry
-from kvrag_integrations.engine.layout import ModelLayout
-from kvrag_integrations.engine.model import LoadedModel
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.engine.modeling.model import LoadedModel
 
 
 class StandInTokenizer:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvrag_integrations import KVRAGEngine
-from kvrag_integrations.engine.model import LoadedModel
+from kvrag_integrations.engine.modeling.model import LoadedModel
 from kvrag_integrations.store import DiskKVStore, TieredKVStore, budget
 
 

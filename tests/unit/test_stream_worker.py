@@ -20,8 +20,12 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from kvrag_integrations.engine.generate import GenerationResult, _StopScanner
-from kvrag_integrations.engine.sampling import SamplingParams, choose_token, logits_processors
+from kvrag_integrations.engine.modeling.generate import GenerationResult, _StopScanner
+from kvrag_integrations.engine.modeling.sampling import (
+    SamplingParams,
+    choose_token,
+    logits_processors,
+)
 from kvrag_integrations.engine.streaming import (
     AsyncGenerationStream,
     GenerationStream,

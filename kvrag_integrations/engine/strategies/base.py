@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.forward import PromptKV
-from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.modeling.forward import PromptKV
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
 
 if TYPE_CHECKING:
-    from kvrag_integrations.engine.model import LoadedModel
+    from kvrag_integrations.engine.modeling.model import LoadedModel
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Strategy(ABC):
     (on the model's device, in its storage form: float or int8, which
     ``reuse.ChunkReuse.assemble`` casts or dequantizes to the model's dtype while
     laying the caches out); ``model`` carries the weights and their
-    :class:`~kvrag_integrations.engine.layout.ModelLayout`. Strategies that prefill
+    :class:`~kvrag_integrations.engine.modeling.layout.ModelLayout`. Strategies that prefill
     everything do not need caches and say so with ``uses_chunk_caches = False``.
     """
 

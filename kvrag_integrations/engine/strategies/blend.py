@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.attention_mass import attention_mass
-from kvrag_integrations.engine.forward import PromptKV, run_tokens
-from kvrag_integrations.engine.model import LoadedModel
-from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.modeling.attention_mass import attention_mass
+from kvrag_integrations.engine.modeling.forward import PromptKV, run_tokens
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput
 from kvrag_integrations.engine.strategies.reuse import ChunkReuse, output, with_last
 from kvrag_integrations.errors import UnsupportedModelError

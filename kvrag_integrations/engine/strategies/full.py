@@ -7,15 +7,15 @@ from collections.abc import Sequence
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.forward import PromptKV
-from kvrag_integrations.engine.hf_compat import (
+from kvrag_integrations.engine.modeling.forward import PromptKV
+from kvrag_integrations.engine.modeling.hf_compat import (
     DynamicCache,
     cache_argument,
     cache_layers,
     output_cache,
 )
-from kvrag_integrations.engine.model import LoadedModel
-from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
 
 

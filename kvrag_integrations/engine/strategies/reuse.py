@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.forward import PromptKV
-from kvrag_integrations.engine.model import LoadedModel
-from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.modeling.forward import PromptKV
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
 
 POSITION_MODES = ("reordered", "composite")

@@ -11,9 +11,9 @@ import math
 from collections.abc import Sequence
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.forward import run_tokens
-from kvrag_integrations.engine.model import LoadedModel
-from kvrag_integrations.engine.segments import TokenizedPrompt
+from kvrag_integrations.engine.modeling.forward import run_tokens
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput
 from kvrag_integrations.engine.strategies.reuse import (
     ChunkReuse,

@@ -1,6 +1,6 @@
 """Exact or refused: at load, reuse must reproduce the model's own forward.
 
-The engine reaches into transformers' extension points (``engine.hf_compat``),
+The engine reaches into transformers' extension points (``engine.modeling.hf_compat``),
 and a new transformers or torch release can change one of them so that reuse
 runs but answers wrongly. :func:`check_reuse` catches that on the user's own
 model before any request: a few dozen tokens, a leading chunk's cache (turbo is
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.engine.forward import PromptKV, run_tokens
-from kvrag_integrations.engine.generate import to_dynamic_cache
-from kvrag_integrations.engine.hf_compat import (
+from kvrag_integrations.engine.modeling.forward import PromptKV, run_tokens
+from kvrag_integrations.engine.modeling.generate import to_dynamic_cache
+from kvrag_integrations.engine.modeling.hf_compat import (
     DynamicCache,
     cache_argument,
     cache_layers,
@@ -34,7 +34,7 @@ from kvrag_integrations.engine.hf_compat import (
     shallow_model,
     versions,
 )
-from kvrag_integrations.engine.layout import ModelLayout
+from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Layers, KV heads, head size, each layer's attention window and how its keys
 were rotated. Everything else (norms, multipliers, softcapping, MoE routing,
 biases, QK-norms) stays the model's own code: the strategies run its forward
-over the prompt cache (see ``engine.forward``), so only moving stored keys to
+over the prompt cache (see ``engine.modeling.forward``), so only moving stored keys to
 new positions is model-specific, and that is derived here from the model's own
 rotary module and checked against its own ``apply_rotary_pos_emb`` at load.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.engine.hf_compat import (
+from kvrag_integrations.engine.modeling.hf_compat import (
     apply_rotary_pos_emb,
     attn_implementation,
     decoder_layers,
@@ -30,7 +30,7 @@ from kvrag_integrations.engine.hf_compat import (
     rotary_inv_freq,
     self_attention,
 )
-from kvrag_integrations.engine.rope import rotate_keys, rotation, shift_keys
+from kvrag_integrations.engine.modeling.rope import rotate_keys, rotation, shift_keys
 from kvrag_integrations.errors import UnsupportedModelError
 
 # Verified by tests/unit/test_families.py (turbo and blend against the model's own forward).

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import FORMAT_VERSION
-from kvrag_integrations.engine.costs import CostModel
-from kvrag_integrations.engine.forward_lock import ForwardLock
-from kvrag_integrations.engine.hf_compat import prefer_grouped_sdpa
-from kvrag_integrations.engine.host_memory import keep_freed_memory
-from kvrag_integrations.engine.layout import ModelLayout
-from kvrag_integrations.engine.self_check import check_reuse
+from kvrag_integrations.engine.modeling.hf_compat import prefer_grouped_sdpa
+from kvrag_integrations.engine.modeling.host_memory import keep_freed_memory
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.engine.modeling.self_check import check_reuse
+from kvrag_integrations.engine.scheduling.costs import CostModel
+from kvrag_integrations.engine.scheduling.forward_lock import ForwardLock
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def load_model(
 
     Raises:
         UnsupportedModelError: an architecture KV reuse is not verified for, or
-            reuse failing its load-time self-check (``engine.self_check``) on the
+            reuse failing its load-time self-check (``engine.modeling.self_check``) on the
             installed transformers and torch.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer

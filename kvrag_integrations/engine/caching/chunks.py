@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.hf_compat import (
+from kvrag_integrations.engine.modeling.hf_compat import (
     DynamicCache,
     cache_argument,
     cache_layers,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.engine.hf_compat import (
+from kvrag_integrations.engine.modeling.hf_compat import (
     attention_function,
     attn_implementation,
     register_attention,

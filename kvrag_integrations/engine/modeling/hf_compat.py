@@ -7,7 +7,7 @@ where the differences between releases are absorbed; nothing else in the
 package imports from ``transformers.cache_utils``, ``masking_utils``,
 ``modeling_utils`` or ``integrations`` (``tests/unit/test_hf_compat.py``
 checks), and ``docs/architecture.md`` lists each touchpoint, the versions it was
-checked on and what breaks if it changes. ``engine.self_check`` runs at load
+checked on and what breaks if it changes. ``engine.modeling.self_check`` runs at load
 and refuses reuse (``UnsupportedModelError``) where a release breaks one of them
 in a way this module does not know yet.
 """

@@ -12,7 +12,7 @@ leaves the misses to the background worker.
   answers by full prefill. Queued and in-flight ones are still taken over when
   that is cheaper (below), since nothing else stands in the way of reuse.
 - ``"auto"`` (the default): reuse when its estimated cost is no more than a full
-  prefill's, by the costs measured on these weights (``engine.costs``); before
+  prefill's, by the costs measured on these weights (``engine.scheduling.costs``); before
   they are measured, the prior: encode on CUDA, defer on CPU.
 
 The estimate of reusing is encoding the new chunks plus the reuse strategy's
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrag_integrations.engine.costs import CostModel
+from kvrag_integrations.engine.scheduling.costs import CostModel
 
 ON_MISS = ("auto", "defer", "encode")
 DEFAULT_ON_MISS = "auto"

@@ -2,7 +2,7 @@
 context), stored and found for prompts.
 
 What an entry holds and how a prompt points at it (``attach_suffix``, ``Miss``,
-``Fetched``, ``DEFAULT_CHUNK_SUFFIX``) is in ``engine.entries``, re-exported here.
+``Fetched``, ``DEFAULT_CHUNK_SUFFIX``) is in ``engine.caching.entries``, re-exported here.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from kvrag_integrations.chunk_kv import (
     dtype_name,
     storage_fingerprint,
 )
-from kvrag_integrations.engine.chunk_tokens import ChunkTokens
-from kvrag_integrations.engine.chunks import encode_chunk_batch
-from kvrag_integrations.engine.entries import (
+from kvrag_integrations.engine.caching.chunk_tokens import ChunkTokens
+from kvrag_integrations.engine.caching.chunks import encode_chunk_batch
+from kvrag_integrations.engine.caching.entries import (
     DEFAULT_CHUNK_CONTEXT,
     DEFAULT_CHUNK_SUFFIX,
+    ChunkRef,
     Fetched,
     Miss,
     attach_suffix,
@@ -34,18 +35,17 @@ from kvrag_integrations.engine.entries import (
     context_tag,
     entry_ids,
 )
-from kvrag_integrations.engine.forward_lock import is_background_thread
-from kvrag_integrations.engine.loader import ChunkLoader
-from kvrag_integrations.engine.model import LoadedModel
-from kvrag_integrations.engine.residency import Residency
-from kvrag_integrations.engine.results import ChunkRef
-from kvrag_integrations.engine.segments import (
+from kvrag_integrations.engine.caching.loader import ChunkLoader
+from kvrag_integrations.engine.caching.residency import Residency
+from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.prompting.segments import (
     Piece,
     TokenizedPrompt,
     tokenize_text,
     validate_chunk_text,
 )
-from kvrag_integrations.engine.spans import ChunkIndex
+from kvrag_integrations.engine.prompting.spans import ChunkIndex
+from kvrag_integrations.engine.scheduling.forward_lock import is_background_thread
 from kvrag_integrations.errors import StoreWriteError, check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
 

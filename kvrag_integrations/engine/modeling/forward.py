@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.engine.hf_compat import (
+from kvrag_integrations.engine.modeling.hf_compat import (
     ForwardCache,
     RecordingDynamicCache,
     cache_argument,
     model_mask,
 )
-from kvrag_integrations.engine.layout import ModelLayout
+from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.errors import UnsupportedModelError
 
 

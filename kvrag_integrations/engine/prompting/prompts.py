@@ -13,8 +13,8 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvrag_integrations.engine.chat_template import Message, render_chat
-from kvrag_integrations.engine.segments import (
+from kvrag_integrations.engine.prompting.chat_template import Message, render_chat
+from kvrag_integrations.engine.prompting.segments import (
     DEFAULT_INSTRUCTION,
     Chunk,
     Segment,
@@ -22,7 +22,7 @@ from kvrag_integrations.engine.segments import (
     check_text,
     rag_user_segments,
 )
-from kvrag_integrations.engine.spans import ChunkIndex, message_segments
+from kvrag_integrations.engine.prompting.spans import ChunkIndex, message_segments
 
 if TYPE_CHECKING:
     from kvrag_integrations.engine.engine import KVRAGEngine

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import cache_key
-from kvrag_integrations.engine.entries import entry_ids
-from kvrag_integrations.engine.segments import tokenize_text, validate_chunk_text
+from kvrag_integrations.engine.caching.entries import entry_ids
+from kvrag_integrations.engine.prompting.segments import tokenize_text, validate_chunk_text
 
 # About 4M token ids (chunk and entry ids together, int64: 64 MiB at most):
 # 16k chunks of 256 tokens, more than any memory tier of chunk caches holds.

@@ -21,7 +21,7 @@ waiting:
   (``waiting()``): background work resumes while every foreground request is
   waiting on it, and then runs with the foreground's thread count.
 - On CPU a background forward runs with fewer intra-op threads than the
-  foreground's (half, at least one; ``engine.threads``), on its own thread only.
+  foreground's (half, at least one; ``engine.scheduling.threads``), on its own thread only.
 
 Pausing inside a forward is safe because the model's forward keeps its state in
 the call (activations, its own cache, context variables), not on the modules,
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.engine.threads import set_thread_threads
+from kvrag_integrations.engine.scheduling.threads import set_thread_threads
 
 _local = threading.local()  # .background: this thread does background work
 

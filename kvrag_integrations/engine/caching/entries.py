@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.segments import Piece, TokenizedPrompt
+from kvrag_integrations.engine.prompting.segments import Piece, TokenizedPrompt
 from kvrag_integrations.store import KVStore
 
 # Encoded after every chunk: the separator our prompts, LlamaIndex's and
@@ -25,6 +25,14 @@ from kvrag_integrations.store import KVStore
 # with the chunk's (TurboRAG stores each document with its own formatting)
 # instead of being computed per request at every chunk boundary.
 DEFAULT_CHUNK_SUFFIX = "\n\n"
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where a chunk's cache lives: its store key and token count."""
+
+    key: str
+    num_tokens: int
 
 
 # How a chunk is encoded for its entry: "alone" (TurboRAG: from position 0, its

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvrag_integrations.engine.forward import PromptKV
-from kvrag_integrations.engine.hf_compat import cache_argument, layered_cache
+from kvrag_integrations.engine.modeling.forward import PromptKV
+from kvrag_integrations.engine.modeling.hf_compat import cache_argument, layered_cache
 
 # Sampling arguments and their checks live in sampling.py; imported from here too.
-from kvrag_integrations.engine.sampling import (
+from kvrag_integrations.engine.modeling.sampling import (
     SAMPLING_ARGS,
     SamplingParams,
     check_int,

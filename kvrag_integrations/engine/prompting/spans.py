@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from kvrag_integrations.engine.segments import Chunk, Segment, Text, check_text
+from kvrag_integrations.engine.prompting.segments import Chunk, Segment, Text, check_text
 
 _ANCHOR = 32  # characters that index a chunk: long enough to be selective
 

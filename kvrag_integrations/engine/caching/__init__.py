@@ -1,0 +1,1 @@
+"""Chunk caches: encoding chunks, their store entries, reading them for a prompt."""

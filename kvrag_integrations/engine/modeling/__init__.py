@@ -1,0 +1,2 @@
+"""The model: loading it (exact or refused), its layout, the transformers
+boundary, its forward and decoding."""
