@@ -5,6 +5,7 @@ prefetch tests build."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvrag_integrations import DiskKVStore, KVRAGEngine
 
@@ -24,6 +25,28 @@ CAPITALS = [
     "Wellington is the capital of New Zealand, at the southern tip of the North Island.",
 ]
 CAPITAL_QUESTION = "What is the capital of Canada?"
+
+
+# LangChain's documented LCEL RAG: its prompt, its format_docs, a few documents.
+LCEL_DOCS = [
+    "The Rosetta Stone was found in 1799 by French soldiers near Rashid, in the Nile "
+    "delta. It carries one decree in hieroglyphic, Demotic and ancient Greek.",
+    "Jean-Francois Champollion announced the decipherment of the hieroglyphs in 1822, "
+    "working from the Greek text of the Rosetta Stone and from Coptic.",
+    "The Great Pyramid of Giza was the tallest man-made structure for nearly four "
+    "thousand years, until Lincoln Cathedral was finished in 1311.",
+]
+LCEL_QUESTION = "Who deciphered the hieroglyphs?"
+LCEL_TEMPLATE = """Answer the question based only on the following context:
+{context}
+
+Question: {question}
+"""
+
+
+def format_docs(docs: list[Any]) -> str:
+    """LangChain's documented helper: the documents' texts, a blank line apart."""
+    return "\n\n".join(doc.page_content for doc in docs)
 
 
 def on_disk(engine: KVRAGEngine, root: Path) -> KVRAGEngine:

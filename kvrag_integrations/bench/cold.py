@@ -38,7 +38,13 @@ from collections import Counter
 from typing import Any
 
 from kvrag_integrations.bench import peer
-from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trimmed_chunks
+from kvrag_integrations.bench.common import (
+    RagItem,
+    append_values,
+    count_encodings,
+    markdown_table,
+    trimmed_chunks,
+)
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.store import MemoryKVStore
 
@@ -65,7 +71,7 @@ def run(
 
     def fresh(on_miss: str = "auto") -> Any:
         e = KVRAGEngine(engine.loaded, store=MemoryKVStore(), on_miss=on_miss)
-        encodings.append(_count_encodings(e))
+        encodings.append(count_encodings(e))
         return e
 
     def llm(e: Any, name: str = strategy) -> Any:
@@ -143,20 +149,6 @@ def run(
 def _measure(row: dict[str, list[float]], llm: Any, text: str) -> None:
     seconds, _ = peer.first_response_s(llm, text)
     append_values(row, ttft=seconds, **_stats(llm))
-
-
-def _count_encodings(engine: Any) -> Counter[str]:
-    """Count every key the engine encodes (requests, background worker, ingestion)."""
-    counts: Counter[str] = Counter()
-    encode = engine.caches.encode_and_store
-
-    def counted(ids: Any, *args: Any, **kwargs: Any) -> Any:
-        done = encode(ids, *args, **kwargs)
-        counts.update(list(done))
-        return done
-
-    engine.caches.encode_and_store = counted
-    return counts
 
 
 def _stats(llm: Any) -> dict[str, float]:

@@ -8,6 +8,7 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,3 +216,18 @@ def append_values(row: dict[str, list[float]], **values: float) -> None:
     """Append each value to its list in ``row`` (one list per measured quantity)."""
     for key, value in values.items():
         row.setdefault(key, []).append(value)
+
+
+def count_encodings(engine: Any) -> Counter[str]:
+    """Keys encoded, counted per key, whoever encodes them: requests, the background
+    worker and ingestion all go through ``engine.caches.encode_and_store``."""
+    counts: Counter[str] = Counter()
+    encode = engine.caches.encode_and_store
+
+    def counted(ids: Any, *args: Any, **kwargs: Any) -> Any:
+        done = encode(ids, *args, **kwargs)
+        counts.update(list(done))
+        return done
+
+    engine.caches.encode_and_store = counted
+    return counts

@@ -19,6 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from corpus import LCEL_DOCS as DOCS
+from corpus import LCEL_QUESTION as QUESTION
+from corpus import LCEL_TEMPLATE as TEMPLATE
+from corpus import format_docs
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
@@ -31,25 +35,6 @@ from kvrag_integrations import Chunk, GenerationResult, KVRAGEngine, MemoryKVSto
 from kvrag_integrations.engine.prompting.spans import MAX_RECENT_CHUNKS, ChunkIndex
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain import ChatKVRAG, MiniLMEmbeddings, add_documents, hooks
-
-DOCS = [
-    "The Rosetta Stone was found in 1799 by French soldiers near Rashid, in the Nile "
-    "delta. It carries one decree in hieroglyphic, Demotic and ancient Greek.",
-    "Jean-Francois Champollion announced the decipherment of the hieroglyphs in 1822, "
-    "working from the Greek text of the Rosetta Stone and from Coptic.",
-    "The Great Pyramid of Giza was the tallest man-made structure for nearly four "
-    "thousand years, until Lincoln Cathedral was finished in 1311.",
-]
-QUESTION = "Who deciphered the hieroglyphs?"
-TEMPLATE = """Answer the question based only on the following context:
-{context}
-
-Question: {question}
-"""
-
-
-def format_docs(docs: list[Document]) -> str:
-    return "\n\n".join(doc.page_content for doc in docs)
 
 
 @pytest.fixture()

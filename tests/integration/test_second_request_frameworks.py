@@ -12,10 +12,13 @@ twice, whoever encodes it.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from typing import Any
 
 import pytest
+from corpus import LCEL_DOCS as DOCS
+from corpus import LCEL_QUESTION as QUESTION
+from corpus import LCEL_TEMPLATE as TEMPLATE
+from corpus import format_docs
 from langchain_core.documents import Document
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
@@ -23,22 +26,9 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from kvrag_integrations import KVRAGEngine, MemoryKVStore
+from kvrag_integrations.bench.common import count_encodings
 from kvrag_integrations.engine.prompting.spans import MAX_RECENT_CHUNKS, ChunkIndex
 from kvrag_integrations.langchain import ChatKVRAG, MiniLMEmbeddings, hooks
-
-
-def count_encodings(e: KVRAGEngine) -> Counter[str]:
-    """Keys encoded per key, by requests and the background worker alike."""
-    counts: Counter[str] = Counter()
-    encode = e.caches.encode_and_store
-
-    def counted(ids: Any, *args: Any, **kwargs: Any) -> Any:
-        done = encode(ids, *args, **kwargs)
-        counts.update(list(done))
-        return done
-
-    e.caches.encode_and_store = counted  # type: ignore[method-assign]
-    return counts
 
 
 @pytest.fixture()
@@ -53,24 +43,6 @@ def fresh(engine: KVRAGEngine, monkeypatch: pytest.MonkeyPatch) -> KVRAGEngine:
 
 
 # ------------------------------------------------------------------- LangChain
-DOCS = [
-    "The Rosetta Stone was found in 1799 by French soldiers near Rashid, in the Nile "
-    "delta. It carries one decree in hieroglyphic, Demotic and ancient Greek.",
-    "Jean-Francois Champollion announced the decipherment of the hieroglyphs in 1822, "
-    "working from the Greek text of the Rosetta Stone and from Coptic.",
-    "The Great Pyramid of Giza was the tallest man-made structure for nearly four "
-    "thousand years, until Lincoln Cathedral was finished in 1311.",
-]
-QUESTION = "Who deciphered the hieroglyphs?"
-TEMPLATE = """Answer the question based only on the following context:
-{context}
-
-Question: {question}
-"""
-
-
-def format_docs(docs: list[Document]) -> str:
-    return "\n\n".join(doc.page_content for doc in docs)
 
 
 @pytest.mark.parametrize("call", ["invoke", "stream"])

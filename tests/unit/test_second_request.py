@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from corpus import CAPITALS, REEF, TOWER
 from corpus import TOWER_QUESTION as QUESTION
 
 from kvrag_integrations import Chunk, KVRAGEngine, MemoryKVStore
+from kvrag_integrations.bench.common import count_encodings
 from kvrag_integrations.engine.caching.chunks import encode_chunk_batch
 from kvrag_integrations.engine.modeling.model import LoadedModel
 from kvrag_integrations.engine.scheduling.forward_lock import ForwardLock
@@ -34,21 +34,6 @@ def loaded(engine: KVRAGEngine) -> LoadedModel:
 
 
 KW = dict(question=QUESTION, chunks=[TOWER, REEF], max_new_tokens=2, strategy="turbo")
-
-
-def count_encodings(e: KVRAGEngine) -> Counter[str]:
-    """Keys encoded, counted per key, whoever encodes them (requests, the worker,
-    ingestion all go through ``caches.encode_and_store``)."""
-    counts: Counter[str] = Counter()
-    encode = e.caches.encode_and_store
-
-    def counted(ids: Any, *args: Any, **kwargs: Any) -> Any:
-        done = encode(ids, *args, **kwargs)
-        counts.update(list(done))
-        return done
-
-    e.caches.encode_and_store = counted  # type: ignore[method-assign]
-    return counts
 
 
 def chunk_tokens(e: KVRAGEngine) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +39,10 @@ __all__ = [
     "stop_string_criteria",
     "to_dynamic_cache",
 ]
+
+
+# What GenerationResult.stats leaves out: the answer itself, not numbers about it.
+_NOT_STATS = frozenset({"text", "token_ids", "first_token_logits"})
 
 
 @dataclass
@@ -112,30 +116,9 @@ class GenerationResult:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """The numbers as a plain dict (for logs and framework metadata)."""
-        return {
-            "strategy": self.strategy,
-            "ttft_s": self.ttft_s,
-            "total_s": self.total_s,
-            "prompt_tokens": self.prompt_tokens,
-            "reused_tokens": self.reused_tokens,
-            "recomputed_tokens": self.recomputed_tokens,
-            "prefilled_tokens": self.prefilled_tokens,
-            "generated_tokens": self.generated_tokens,
-            "lazily_encoded_chunks": self.lazily_encoded_chunks,
-            "reused_prefix_tokens": self.reused_prefix_tokens,
-            "reused_chunk_tokens": self.reused_chunk_tokens,
-            "fallback": self.fallback,
-            "deferred_chunks": self.deferred_chunks,
-            "reused_chunks": self.reused_chunks,
-            "awaited_chunks": self.awaited_chunks,
-            "taken_over_chunks": self.taken_over_chunks,
-            "encoded_chunks": self.encoded_chunks,
-            "evicted_chunks": self.evicted_chunks,
-            "miss_policy": self.miss_policy,
-            "miss_reason": self.miss_reason,
-            "finish_reason": self.finish_reason,
-        }
+        """The numbers as a plain dict (for logs and framework metadata): every
+        field but the text, the token ids and the logits."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_STATS}
 
 
 def to_dynamic_cache(kv: PromptKV) -> Any:
