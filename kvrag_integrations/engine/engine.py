@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -18,18 +17,11 @@ from kvrag_integrations.engine.caching.entries import (
     DEFAULT_CHUNK_SUFFIX,
     ChunkRef,
 )
+from kvrag_integrations.engine.frontend import EngineFrontend
 from kvrag_integrations.engine.modeling.generate import GenerationResult
 from kvrag_integrations.engine.modeling.model import LoadedModel
 from kvrag_integrations.engine.modeling.sampling import SamplingParams
-from kvrag_integrations.engine.prompting import prompts
-from kvrag_integrations.engine.prompting.segments import (
-    Chunk,
-    Segment,
-    Text,
-    TokenizedPrompt,
-    tokenize_segments,
-)
-from kvrag_integrations.engine.prompting.spans import ChunkIndex
+from kvrag_integrations.engine.prompting.segments import Chunk, Segment, Text
 from kvrag_integrations.engine.request import (
     ON_MISS,
     RequestOptions,
@@ -41,12 +33,8 @@ from kvrag_integrations.engine.results import PrefillResult
 from kvrag_integrations.engine.scheduling.background import BackgroundEncoder
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy
-from kvrag_integrations.engine.streaming import (
-    AsyncGenerationStream,
-    GenerationStream,
-    open_request,
-)
-from kvrag_integrations.errors import check_fits
+from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream, Job
+from kvrag_integrations.engine.streaming import open_request as open_engine_request
 from kvrag_integrations.store import KVStore, MemoryKVStore
 from kvrag_integrations.store.budget import memory_budget
 
@@ -64,11 +52,12 @@ __all__ = [
 ]
 
 
-class KVRAGEngine(registry.EngineLoading):
+class KVRAGEngine(registry.EngineLoading, EngineFrontend):
     """Generates answers over retrieved chunks, reusing their precomputed KV caches.
 
     ``from_pretrained`` loads a model and ``shared`` finds the process's shared
-    engine (``registry.EngineLoading``).
+    engine (``registry.EngineLoading``); prompts, ``generate``, ``stream`` and
+    ``astream`` are the ones every engine shares (``frontend.EngineFrontend``).
 
     Examples:
         >>> engine = KVRAGEngine.from_pretrained()  # doctest: +SKIP
@@ -154,6 +143,7 @@ class KVRAGEngine(registry.EngineLoading):
             model=loaded.model,
         )
         self.caches.ledger = self.encoder
+        self.prompts = self.caches.prompts
         registry.note_engine(self)
 
     def __repr__(self) -> str:
@@ -226,11 +216,6 @@ class KVRAGEngine(registry.EngineLoading):
         """In-process caches of prompts' leading text (``caches.prefix_store``)."""
         return self.caches.prefix_store
 
-    @property
-    def chunk_index(self) -> ChunkIndex:
-        """Texts of chunks encoded by this engine, to find them in flat prompts."""
-        return self.caches.index
-
     def chunk_key(self, text: str) -> str:
         """The store key the chunk ``text`` has under this model."""
         return self.caches.key(text)
@@ -273,24 +258,6 @@ class KVRAGEngine(registry.EngineLoading):
             overwrite=overwrite,
             max_tokens=self.context_window,
         )
-
-    # ------------------------------------------------------------- prompts
-    # The prompt as segments, chat template applied (its arguments and checks:
-    # prompts.build_segments, which takes the engine as its first argument).
-    build_segments = prompts.build_segments
-
-    def tokenize(self, segments: Sequence[Segment]) -> TokenizedPrompt:
-        """Tokenize segments (each alone) into the prompt as turbo and blend read it:
-        each chunk piece points at its entry, and takes the chunk suffix after it
-        where the text continues with it (``ChunkCaches.attach_suffixes``)."""
-        # Chunks' ids come from ``caches.tokens``: a known chunk is not re-tokenized.
-        pieces = tokenize_segments(self.tokenizer, segments, self.caches.tokens.get)
-        return self.caches.attach_suffixes(pieces)
-
-    def check_fits(self, n_tokens: int, what: str, new_tokens: int = 0) -> None:
-        """Raise ``ContextWindowExceededError`` naming ``what`` if ``n_tokens`` prompt
-        tokens plus ``new_tokens`` to generate exceed the context window."""
-        check_fits(n_tokens, self.context_window, what, new_tokens)
 
     # -------------------------------------------------------------- prefill
     def prefill(
@@ -361,52 +328,9 @@ class KVRAGEngine(registry.EngineLoading):
         return self.encoder.wait(timeout)
 
     # ------------------------------------------------------------- generate
-    def stream(
-        self, question: str | None = None, chunks: Sequence[str] | None = None, **kwargs: Any
-    ) -> GenerationStream:
-        """Like ``generate`` (same arguments) but returns an iterator of text pieces.
-
-        Every argument is checked and the prompt tokenized here (a bad request
-        raises at the call); the request then runs on a worker thread that holds
-        the forward lock for its prefill and decoding and hands pieces over a
-        queue (``engine.streaming``). The returned ``GenerationStream`` has
-        ``.result`` (a ``GenerationResult``), complete once the iterator is
-        exhausted; ``close()``, or dropping the stream, stops decoding.
-        """
-        return GenerationStream(*open_request(self, question, chunks, kwargs))
-
-    def astream(
-        self, question: str | None = None, chunks: Sequence[str] | None = None, **kwargs: Any
-    ) -> AsyncGenerationStream:
-        """``stream`` for asyncio: ``async for piece in engine.astream(...)``.
-
-        The same worker and queue; awaiting a piece never blocks the event loop.
-        ``aclose()`` (or dropping the stream) stops decoding.
-        """
-        return AsyncGenerationStream(*open_request(self, question, chunks, kwargs))
-
-    def generate(
-        self,
-        question: str | None = None,
-        chunks: Sequence[str] | None = None,
-        **kwargs: Any,
-    ) -> GenerationResult:
-        """Answer ``question`` over ``chunks`` (or a ``segments`` prompt), reusing caches.
-
-        Args:
-            question: the user's question.
-            chunks: retrieved chunk texts, in prompt order.
-            **kwargs: ``segments`` or ``messages`` (with ``known_chunks``) instead of
-                question/chunks, ``strategy`` ("full", "turbo" (default), "blend"),
-                ``system_prompt``, ``chat_template``, ``max_new_tokens`` (256),
-                ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
-                ``stop``, ``stop_token_ids``, ``on_miss`` and strategy options (e.g.
-                ``positions="composite"`` for turbo).
-
-        Returns:
-            A ``GenerationResult`` with text, TTFT and token accounting.
-        """
-        job, result = open_request(self, question, chunks, kwargs)
-        for _ in job(threading.Event()):  # a stream's work, run on this thread
-            pass
-        return result
+    def open_request(
+        self, question: str | None, chunks: Sequence[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[Job, GenerationResult]:
+        """The request's work on this engine: ``streaming.answer`` (caches read,
+        then prefill and decoding under the forward lock)."""
+        return open_engine_request(self, question, chunks, kwargs)

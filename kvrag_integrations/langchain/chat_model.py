@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag_integrations.engine import GenerationResult, KVRAGEngine
 from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
+from kvrag_integrations.engine.protocol import RAGEngine, check_engine
 from kvrag_integrations.engine.request import RequestOptions
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.errors import UnsupportedInputError
@@ -42,7 +43,8 @@ class ChatKVRAG(BaseChatModel):
     is applied around them.
 
     Attributes:
-        engine: a ``KVRAGEngine``; by default ``KVRAGEngine.shared(model, ...)``,
+        engine: a ``KVRAGEngine`` or a ``VLLMEngine`` (any ``engine.protocol.RAGEngine``);
+            by default ``KVRAGEngine.shared(model, ...)``,
             so that every instance built from one model name shares its weights.
         model: HF id, local directory or ``.gguf`` file (None: bundled SmolLM2);
             with ``device`` and ``dtype``, used only when ``engine`` is not given.
@@ -69,7 +71,7 @@ class ChatKVRAG(BaseChatModel):
 
     model_config = ConfigDict(populate_by_name=True)
 
-    engine: KVRAGEngine | None = Field(default=None, exclude=True, repr=False)
+    engine: Any = Field(default=None, exclude=True, repr=False)  # a RAGEngine
     model: str | None = None
     device: str = "cpu"
     dtype: str | None = None
@@ -90,6 +92,8 @@ class ChatKVRAG(BaseChatModel):
     @model_validator(mode="after")
     def _load_engine(self) -> ChatKVRAG:
         self._request_defaults()  # a bad strategy, option or sampling value fails here
+        if self.engine is not None:
+            check_engine(self.engine)
         self._ensure_engine()
         install_hooks()  # retrievers' and vector store searches' documents become known chunks
         return self
@@ -114,7 +118,7 @@ class ChatKVRAG(BaseChatModel):
             "parse its text with an output parser instead"
         )
 
-    def _ensure_engine(self) -> KVRAGEngine:
+    def _ensure_engine(self) -> RAGEngine:
         if self.engine is None:
             self.engine = KVRAGEngine.shared(self.model, device=self.device, dtype=self.dtype)
         return self.engine
@@ -179,7 +183,7 @@ class ChatKVRAG(BaseChatModel):
         return params
 
     # ------------------------------------------------------------- requests
-    def engine_for(self, model: str | None = None) -> KVRAGEngine:
+    def engine_for(self, model: str | None = None) -> RAGEngine:
         """This model's engine, or the shared engine of ``model`` (a per-call override)."""
         if model is None or model == self.model:
             return self._ensure_engine()
@@ -187,7 +191,7 @@ class ChatKVRAG(BaseChatModel):
 
     def engine_request(
         self, messages: Sequence[BaseMessage], stop: list[str] | None = None, **kwargs: Any
-    ) -> tuple[KVRAGEngine, dict[str, Any]]:
+    ) -> tuple[RAGEngine, dict[str, Any]]:
         """The engine and the ``engine.stream`` arguments of one call.
 
         A per-call ``strategy`` other than this model's does not inherit its
@@ -243,7 +247,7 @@ class ChatKVRAG(BaseChatModel):
                 yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
         yield self._last_chunk(engine, stream.result)
 
-    def _last_chunk(self, engine: KVRAGEngine, result: GenerationResult) -> ChatGenerationChunk:
+    def _last_chunk(self, engine: RAGEngine, result: GenerationResult) -> ChatGenerationChunk:
         """The empty last chunk, with usage and metadata."""
         self._last_result = result
         last = AIMessageChunk(
@@ -312,5 +316,5 @@ def _usage(result: GenerationResult) -> UsageMetadata:
     )
 
 
-def _metadata(engine: KVRAGEngine, result: GenerationResult) -> dict[str, Any]:
+def _metadata(engine: RAGEngine, result: GenerationResult) -> dict[str, Any]:
     return {"model_name": engine.model_name, **result.stats}

@@ -13,6 +13,7 @@ from langchain_core.vectorstores import VectorStore
 from tqdm.auto import tqdm
 
 from kvrag_integrations.engine import CACHE_KEY_FIELD, KVRAGEngine
+from kvrag_integrations.engine.protocol import RAGEngine, check_engine
 from kvrag_integrations.errors import InvalidChunkError
 from kvrag_integrations.langchain.embeddings import MiniLMEmbeddings
 
@@ -30,7 +31,7 @@ def document_id(text: str) -> str:
 def add_documents(
     collection: Any,
     documents: Iterable[Document | str],
-    engine: KVRAGEngine | None = None,
+    engine: RAGEngine | None = None,
     embeddings: Embeddings | None = None,
     *,
     batch_size: int = 32,
@@ -74,7 +75,7 @@ def add_documents(
     for i, doc in enumerate(docs):
         if not isinstance(doc.page_content, str) or not doc.page_content.strip():
             raise InvalidChunkError(f"documents[{i}] has no text")
-    engine = engine if engine is not None else KVRAGEngine.shared()
+    engine = check_engine(engine) if engine is not None else KVRAGEngine.shared()
     ids = [document_id(d.page_content) for d in docs]
     unique = list(dict(zip(ids, docs)).items())  # one entry per id, the last one wins
     if isinstance(collection, VectorStore):

@@ -21,8 +21,9 @@ from langchain_core.messages import (
     ToolMessage,
 )
 
-from kvrag_integrations.engine import CACHE_KEY_FIELD, Chunk, KVRAGEngine, Segment, Text
+from kvrag_integrations.engine import CACHE_KEY_FIELD, Chunk, Segment, Text
 from kvrag_integrations.engine.prompting.spans import message_segments
+from kvrag_integrations.engine.protocol import RAGEngine
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain.hooks import recent_chunks
 
@@ -103,7 +104,7 @@ def searchable_text(message: BaseMessage) -> str:
 
 
 def content_segments(
-    message: BaseMessage, engine: KVRAGEngine, known_chunks: Sequence[str] = ()
+    message: BaseMessage, engine: RAGEngine, known_chunks: Sequence[str] = ()
 ) -> str | list[Segment]:
     """A message's content for the engine: its string, or segments for block lists.
 
@@ -140,7 +141,7 @@ def content_segments(
 
 def to_engine_messages(
     messages: Sequence[BaseMessage],
-    engine: KVRAGEngine,
+    engine: RAGEngine,
     documents: Iterable[Document | str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """``(messages, known_chunks)`` for ``engine.generate/stream/prefill``.

@@ -15,6 +15,7 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import Field, model_validator
 
 from kvrag_integrations.engine import CACHE_KEY_FIELD, KVRAGEngine
+from kvrag_integrations.engine.protocol import check_engine
 from kvrag_integrations.langchain.embeddings import MiniLMEmbeddings
 
 
@@ -42,15 +43,14 @@ class KVRAGRetriever(BaseRetriever):
     """
 
     collection: Any = Field(exclude=True)
-    engine: KVRAGEngine | None = Field(default=None, exclude=True, repr=False)
+    engine: Any = Field(default=None, exclude=True, repr=False)  # a RAGEngine
     embeddings: Embeddings | None = Field(default=None, exclude=True, repr=False)
     k: int = Field(default=4, ge=1)
     where: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _defaults(self) -> KVRAGRetriever:
-        if self.engine is None:
-            self.engine = KVRAGEngine.shared()
+        self.engine = KVRAGEngine.shared() if self.engine is None else check_engine(self.engine)
         if self.embeddings is None:
             self.embeddings = MiniLMEmbeddings()
         return self

@@ -52,7 +52,7 @@ def attach_cache_keys(
     embedding text first, so the text encoded is the text the LLM will see.
 
     Args:
-        engine: a ``KVRAGEngine``.
+        engine: a ``KVRAGEngine`` or ``VLLMEngine``.
         nodes: nodes (or ``NodeWithScore``) to encode; empty ones are skipped.
         batch_size: chunks per forward.
         show_progress: a progress bar.

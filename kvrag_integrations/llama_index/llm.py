@@ -23,6 +23,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, PrivateAttr
 
+from kvrag_integrations.engine.protocol import RAGEngine, check_engine
 from kvrag_integrations.engine.request import RequestOptions
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.errors import UnsupportedInputError
@@ -73,7 +74,8 @@ class KVRAGLLM(CustomLLM):
     read the response instead).
 
     Args:
-        engine: a ``KVRAGEngine``; or leave it out (optionally with ``model``,
+        engine: a ``KVRAGEngine`` or a ``VLLMEngine`` (any ``engine.protocol.RAGEngine``);
+            or leave it out (optionally with ``model``,
             ``device``, ``dtype``) to use the process's shared engine for that model,
             ``KVRAGEngine.shared``: the engine ``from_pretrained`` loaded first for
             it, if any.
@@ -126,7 +128,7 @@ class KVRAGLLM(CustomLLM):
             from kvrag_integrations.engine.engine import KVRAGEngine
 
             engine = KVRAGEngine.shared(self.model, device=self.device, dtype=self.dtype)
-        self._engine = engine
+        self._engine = check_engine(engine)
         install_hooks()
 
     @classmethod
@@ -135,8 +137,8 @@ class KVRAGLLM(CustomLLM):
 
     # --------------------------------------------------------------- facts
     @property
-    def engine(self) -> Any:
-        """The ``KVRAGEngine`` answering the calls."""
+    def engine(self) -> RAGEngine:
+        """The engine answering the calls."""
         return self._engine
 
     @property

@@ -8,6 +8,7 @@ from typing import Any
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
+from kvrag_integrations.engine.protocol import check_engine
 from kvrag_integrations.llama_index._nodes import attach_cache_keys
 
 
@@ -22,7 +23,7 @@ class KVRAGRetriever(BaseRetriever):
     A node longer than the context window is returned uncached (it is prefilled).
 
     Args:
-        engine: the ``KVRAGEngine`` the LLM uses.
+        engine: the engine the LLM uses (``KVRAGEngine`` or ``VLLMEngine``).
         retriever: a ``BaseRetriever``, or an index with ``as_retriever``.
         similarity_top_k: passed to ``index.as_retriever`` when an index is given.
         batch_size: chunks per forward when encoding missing caches.
@@ -51,7 +52,7 @@ class KVRAGRetriever(BaseRetriever):
         elif similarity_top_k is not None:
             raise ValueError("similarity_top_k applies to an index, not to a retriever")
         super().__init__(**kwargs)
-        self.engine = engine
+        self.engine = check_engine(engine)
         self.retriever: BaseRetriever = retriever
         self.batch_size = batch_size
 

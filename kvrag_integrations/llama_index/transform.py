@@ -9,6 +9,7 @@ from typing import Any
 from llama_index.core.schema import BaseNode, TransformComponent
 from pydantic import Field, PrivateAttr
 
+from kvrag_integrations.engine.protocol import check_engine
 from kvrag_integrations.llama_index._nodes import attach_cache_keys
 
 
@@ -23,7 +24,7 @@ class KVCacheTransform(TransformComponent):
     keys from its own model fingerprint, so a key from another model is never used.
 
     Args:
-        engine: the ``KVRAGEngine`` whose store receives the caches.
+        engine: the engine (``KVRAGEngine`` or ``VLLMEngine``) whose store receives the caches.
         **kwargs: the fields below.
 
     Attributes:
@@ -48,6 +49,7 @@ class KVCacheTransform(TransformComponent):
     _engine: Any = PrivateAttr()
 
     def __init__(self, engine: Any, **kwargs: Any) -> None:
+        check_engine(engine)
         kwargs.setdefault("engine_fingerprint", engine.fingerprint)
         super().__init__(**kwargs)
         self._engine = engine
@@ -58,7 +60,7 @@ class KVCacheTransform(TransformComponent):
 
     @property
     def engine(self) -> Any:
-        """The ``KVRAGEngine`` this transform encodes with."""
+        """The engine this transform encodes with."""
         return self._engine
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:

@@ -31,17 +31,14 @@ from kvrag_integrations.engine.caching.entries import (
     Fetched,
     Miss,
     attach_suffix,
-    context_ids,
-    context_tag,
-    entry_ids,
 )
 from kvrag_integrations.engine.caching.loader import ChunkLoader
+from kvrag_integrations.engine.caching.prompt_tokenizer import PromptTokenizer
 from kvrag_integrations.engine.caching.residency import Residency
 from kvrag_integrations.engine.modeling.model import LoadedModel
 from kvrag_integrations.engine.prompting.segments import (
     Piece,
     TokenizedPrompt,
-    tokenize_text,
     validate_chunk_text,
 )
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
@@ -50,8 +47,6 @@ from kvrag_integrations.errors import StoreWriteError, check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
-
-_NO_IDS = torch.zeros(0, dtype=torch.long)
 
 
 class ChunkCaches:
@@ -88,26 +83,46 @@ class ChunkCaches:
     ) -> None:
         self.loaded = loaded
         self.precision = check_precision(precision)
-        self.context = context
-        self.context_ids = context_ids(loaded.tokenizer, context)
-        if not isinstance(suffix, str):
-            raise TypeError(f"chunk_suffix must be a string, got {type(suffix).__name__}")
-        self.suffix = suffix
-        self.suffix_ids = tokenize_text(loaded.tokenizer, suffix) if suffix else _NO_IDS
-        self.tokens = ChunkTokens(loaded.tokenizer, self.suffix_ids)
+        # Suffix, context, remembered chunk ids and the chunk index: what prompts
+        # and entries agree on (shared in form with the vLLM engine's).
+        self.prompts = PromptTokenizer(loaded.tokenizer, suffix, context)
         self.store = store
         self.prefix_store = MemoryKVStore(max_bytes=256 * 2**20)
-        self.index = ChunkIndex()
         self.loader = ChunkLoader()
         self.residency = Residency()
         self.ledger: Any = None  # the engine's BackgroundEncoder: no key encoded twice
+
+    # What prompts and entries agree on lives in ``prompts`` (read-only here).
+    @property
+    def suffix(self) -> str:
+        return self.prompts.suffix
+
+    @property
+    def suffix_ids(self) -> torch.Tensor:
+        return self.prompts.suffix_ids
+
+    @property
+    def context(self) -> str:
+        return self.prompts.context
+
+    @property
+    def context_ids(self) -> torch.Tensor:
+        return self.prompts.context_ids
+
+    @property
+    def tokens(self) -> ChunkTokens:
+        return self.prompts.tokens
+
+    @property
+    def index(self) -> ChunkIndex:
+        return self.prompts.index
 
     @property
     def fingerprint(self) -> str:
         """The storage fingerprint: the model's plus the storage precision and the
         chunk encoding context."""
         return storage_fingerprint(
-            self.loaded.fingerprint, self.precision, context_tag(self.context, self.context_ids)
+            self.loaded.fingerprint, self.precision, self.prompts.context_tag
         )
 
     def key(self, text: str) -> str:
@@ -116,24 +131,13 @@ class ChunkCaches:
 
     def entry_ids(self, chunk_ids: torch.Tensor) -> torch.Tensor:
         """``entries.entry_ids`` with this engine's chunk suffix."""
-        return entry_ids(chunk_ids, self.suffix_ids)
-
-    def piece_entry_ids(self, piece: Piece) -> torch.Tensor:
-        """The ids of the entry a cached piece reads (a prompt not passed through
-        ``attach_suffixes`` too: its chunks read the same entries)."""
-        if piece.stored_ids is None and piece.is_chunk:
-            return self.entry_ids(piece.ids)
-        return piece.entry_ids
+        return self.prompts.entry_ids(chunk_ids)
 
     def piece_key(self, piece: Piece) -> str:
-        ids = self.piece_entry_ids(piece)
+        ids = self.prompts.piece_entry_ids(piece)
         if piece.is_chunk:  # remembered with the chunk's ids
             return self.tokens.key(self.fingerprint, piece.text, ids)
         return cache_key(self.fingerprint, ids)
-
-    def attach_suffixes(self, prompt: TokenizedPrompt) -> TokenizedPrompt:
-        """``attach_suffix`` with this engine's chunk suffix and encoding context."""
-        return attach_suffix(prompt, self.suffix_ids, self.suffix, self.context_ids.numel())
 
     def prefetch(self, texts: Sequence[str]) -> int:
         """Start reading the stored caches of chunk ``texts`` (see ``ChunkLoader``).
@@ -335,7 +339,9 @@ class ChunkCaches:
                 kv = None
             if kv is None:
                 evicted = not piece.is_prefix and self.residency.was_stored(key)
-                missing[key] = Miss(self.piece_entry_ids(piece), store, piece.is_prefix, evicted)
+                missing[key] = Miss(
+                    self.prompts.piece_entry_ids(piece), store, piece.is_prefix, evicted
+                )
             else:
                 found[key] = kv
         return found, missing
@@ -402,4 +408,11 @@ class ChunkCaches:
         return self.on_device(prompt, found), set(missing)
 
 
-__all__ = ["DEFAULT_CHUNK_SUFFIX", "ChunkCaches", "Fetched", "Miss", "attach_suffix"]
+__all__ = [
+    "DEFAULT_CHUNK_CONTEXT",
+    "DEFAULT_CHUNK_SUFFIX",
+    "ChunkCaches",
+    "Fetched",
+    "Miss",
+    "attach_suffix",
+]

@@ -1,6 +1,6 @@
 """A request's prompt as segments: question and chunks, segments or messages, templated.
 
-``build_segments`` is ``KVRAGEngine.build_segments``: it checks which
+``build_segments`` is every engine's ``build_segments``: it checks which
 form the prompt came in, splits messages' strings at known chunks
 (``spans.message_segments``) and renders the chat template around them
 (``chat_template.render_chat``), chunks intact.
@@ -25,7 +25,7 @@ from kvrag_integrations.engine.prompting.segments import (
 from kvrag_integrations.engine.prompting.spans import ChunkIndex, message_segments
 
 if TYPE_CHECKING:
-    from kvrag_integrations.engine.engine import KVRAGEngine
+    from kvrag_integrations.engine.frontend import EngineFrontend
 
 logger = logging.getLogger("kvrag_integrations.engine.engine")
 
@@ -37,7 +37,7 @@ prompt (with ``question`` and ``chunks``); the others are its ``RequestOptions``
 
 
 def build_segments(
-    engine: KVRAGEngine,
+    engine: EngineFrontend,
     *,
     question: str | None = None,
     chunks: Sequence[str] | None = None,
@@ -49,7 +49,7 @@ def build_segments(
     chat_template: bool = True,
 ) -> list[Segment]:
     """The prompt as segments, with the chat template applied if asked
-    (``KVRAGEngine.build_segments``: this function is that method).
+    (``EngineFrontend.build_segments``: this function is that method).
 
     Exactly one of:
 
