@@ -13,12 +13,14 @@ from kvrag_integrations.cli.common import (
     human_bytes,
     store_from,
 )
+from kvrag_integrations.store.base import KVStore, TempFileInfo
 from kvrag_integrations.store.maintenance import (
     find_corrupt,
     prune,
     select_for_pruning,
     summarize,
 )
+from kvrag_integrations.store.tempfiles import STALE_TEMP_S
 from kvrag_integrations.store.url import redact_url
 
 
@@ -52,8 +54,25 @@ def _stamp(t: float | None) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
+def _sized(n: int) -> str:
+    return f"{n} bytes ({human_bytes(n)})"
+
+
+def _print_reclaimed(files: int, nbytes: int) -> None:
+    print(f"reclaimed {files} temp files of dead writers, {_sized(nbytes)}")
+
+
+def _describe_temp(temp: TempFileInfo, grace_s: float) -> str:
+    writer = f"writer {temp.writer}" if temp.writer else "writer unknown (an older version)"
+    # Not provably alive, nor dead: another host's writer, or one that names nobody.
+    unsure = f"cannot tell from this host, removed once untouched for {grace_s:g} s"
+    state = "alive" if temp.alive else unsure
+    return f"temp {temp.name} {_sized(temp.nbytes)}, {writer}: {state}"
+
+
 def run_stats(args: argparse.Namespace) -> int:
-    """Print the store's entry count, bytes, age range and fingerprints."""
+    """Print the store's entry count, bytes, age range and fingerprints, its temp
+    files apart, and the dead writers' temp files it removed."""
     summary = summarize(store_from(args))
     print(f"store {redact_url(args.store)}")
     print(f"entries {summary.entries}")
@@ -61,22 +80,25 @@ def run_stats(args: argparse.Namespace) -> int:
     print(f"oldest {_stamp(summary.oldest)}  newest {_stamp(summary.newest)}")
     for fingerprint, count in summary.by_fingerprint.items():
         print(f"fingerprint {fingerprint or '(unreadable)'}: {count}")
-    print(f"temp files {summary.temp_files} ({human_bytes(summary.temp_bytes)})")
+    print(f"temp files {summary.temp_files}, {_sized(summary.temp_bytes)} (writes in flight)")
+    _print_reclaimed(summary.temp_files_reclaimed, summary.temp_bytes_reclaimed)
     return 0
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    """Decode every entry; exit 1 if corrupt entries remain (found without ``--delete``)."""
-    store = store_from(args)
+    """Decode every entry; exit 1 if corrupt entries remain (found without ``--delete``).
+    Also list the temp files of writers that may be alive, and reclaim dead writers'."""
+    store: KVStore = store_from(args)
     total = len(store)
     bad = find_corrupt(store, delete=args.delete)
     for key, reason in bad:
         print(f"corrupt {key}: {reason}{' (deleted)' if args.delete else ''}")
     print(f"verified {total} entries: {total - len(bad)} ok, {len(bad)} corrupt", end="")
     print(f", {len(bad)} deleted" if args.delete else "")
-    removed = store.remove_stale_temp_files()
-    if removed:
-        print(f"removed {removed} temp files of killed writers")
+    grace_s = getattr(store, "temp_grace_s", STALE_TEMP_S)
+    for temp in store.temp_files():
+        print(_describe_temp(temp, grace_s))
+    _print_reclaimed(*store.reclaim_temp_files())
     return 1 if bad and not args.delete else 0
 
 
@@ -96,9 +118,18 @@ def run_prune(args: argparse.Namespace) -> int:
         "foreign_to": foreign_to,
     }
     if args.dry_run:
-        chosen = select_for_pruning(store.entries(), **criteria)
+        live = store.temp_files()
+        temp_bytes = sum(t.nbytes for t in live)
+        chosen = select_for_pruning(store.entries(), reserved_bytes=temp_bytes, **criteria)
+        temp_files, (reclaimed, reclaimed_bytes) = len(live), store.reclaim_temp_files()
     else:
         chosen = prune(store, **criteria)
+        temp_files, temp_bytes = chosen.temp_files, chosen.temp_bytes
+        reclaimed, reclaimed_bytes = chosen.temp_files_reclaimed, chosen.temp_bytes_reclaimed
+    _print_reclaimed(reclaimed, reclaimed_bytes)
+    if temp_files:
+        print(f"kept {temp_files} temp files of writes in flight, {_sized(temp_bytes)}", end="")
+        print(" (counted toward --max-bytes)" if args.max_bytes is not None else "")
     verb = "would evict" if args.dry_run else "evicted"
     freed = sum(info.nbytes for info in chosen)
     left = len(store) - (len(chosen) if args.dry_run else 0)

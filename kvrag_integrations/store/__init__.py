@@ -6,7 +6,7 @@ extra (``pip install 'kvrag-integrations[redis]'``).
 
 from __future__ import annotations
 
-from kvrag_integrations.store.base import EntryInfo, KVStore, StoreStats
+from kvrag_integrations.store.base import EntryInfo, KVStore, StoreStats, TempFileInfo
 from kvrag_integrations.store.codec import FORMAT_VERSION, decode_entry, encode_entry
 from kvrag_integrations.store.disk import DiskKVStore
 from kvrag_integrations.store.encoded import EncodedKVStore
@@ -24,6 +24,7 @@ __all__ = [
     "MemoryKVStore",
     "RedisKVStore",
     "StoreStats",
+    "TempFileInfo",
     "TieredKVStore",
     "decode_entry",
     "encode_entry",

@@ -23,6 +23,9 @@ class StoreStats:
     rejected: int = 0  # entries found but unusable: corrupt, truncated, foreign
     writes: int = 0
     evictions: int = 0
+    # partial writes of dead writers this store removed (disk: temp files)
+    temp_files_reclaimed: int = 0
+    temp_bytes_reclaimed: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,31 @@ class EntryInfo:
     nbytes: int
     updated_at: float | None
     fingerprint: str | None
+
+
+@dataclass(frozen=True)
+class TempFileInfo:
+    """A partial write a store can see (disk: a temp file) whose writer may be alive.
+
+    Partial writes of writers known to be dead are never listed: listing removes
+    them (see ``KVStore.temp_files``).
+
+    Attributes:
+        name: where it is, relative to the store (disk: ``"ab/.tmp-...part"``).
+        nbytes: its size in bytes so far.
+        updated_at: unix time of its last write.
+        writer: who writes it (``"host pid N"``), or ``None`` when unknown (a
+            temp file of an older version).
+        alive: ``True`` when its writer provably lives (it holds the file's
+            lock); ``None`` when this host cannot tell (a writer on another host,
+            or an unknown one): it is removed once idle for the store's grace period.
+    """
+
+    name: str
+    nbytes: int
+    updated_at: float | None
+    writer: str | None
+    alive: bool | None
 
 
 class KVStore(ABC):
@@ -99,13 +127,18 @@ class KVStore(ABC):
         """Remove the entry under ``key`` if present."""
         self._delete(key)
 
-    def temp_files(self) -> list:
-        """Partial writes this store can see (disk: temp files); none for most stores."""
+    def temp_files(self) -> list[TempFileInfo]:
+        """Partial writes of writers that may be alive (disk: temp files in flight).
+
+        Listing first removes those of dead writers (``reclaim_temp_files`` reports
+        them). Most stores have none: their writes are atomic on the server.
+        """
         return []
 
-    def remove_stale_temp_files(self) -> int:
-        """Delete partial writes of killed writers; return how many (none for most stores)."""
-        return 0
+    def reclaim_temp_files(self) -> tuple[int, int]:
+        """Remove the partial writes of dead writers; return ``(files, bytes)`` removed
+        since the last call, by this call or by listings meanwhile."""
+        return 0, 0
 
     def check(self, key: str) -> str | None:
         """Decode the entry under ``key`` and say why it is unusable, if it is.

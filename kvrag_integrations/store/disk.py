@@ -7,29 +7,27 @@ import logging
 import os
 import re
 import stat
-import tempfile
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError, StoreWriteError
-from kvrag_integrations.store.base import EntryInfo
+from kvrag_integrations.store import tempfiles
+from kvrag_integrations.store.base import EntryInfo, TempFileInfo
 from kvrag_integrations.store.codec import (
     entry_size,
     header_length,
     read_metadata,
 )
 from kvrag_integrations.store.encoded import EncodedKVStore
+from kvrag_integrations.store.tempfiles import STALE_TEMP_S
 
 logger = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _SUFFIX = ".safetensors"
-_TMP_PREFIX = ".tmp-"
 _MAX_HEADER = 1 << 20  # our headers are a few hundred bytes; larger means a damaged file
-# A writer finishes a temp file in well under this; older ones are a killed writer's.
-STALE_TEMP_S = 600.0
 
 
 class DiskKVStore(EncodedKVStore):
@@ -43,9 +41,15 @@ class DiskKVStore(EncodedKVStore):
 
     Only regular files the store wrote are read: symlinks, FIFOs and devices
     are refused without blocking, and no more bytes are read than the entry's
-    header declares (bounded by the file's size). Temp files left by killed
-    writers are counted by ``temp_files`` and removed by ``verify`` and
-    ``remove_stale_temp_files`` (what ``kvrag store verify`` / ``prune`` run).
+    header declares (bounded by the file's size).
+
+    A write's temp file names its writer (host, pid) and is locked by it while
+    it lives (see ``store.tempfiles``). Whatever lists the directory (``keys``,
+    ``entries``, ``len``, ``nbytes``, ``verify``, ``temp_files``) removes the temp
+    files of writers that died on this host at once, and those of other hosts'
+    (or unknown) writers once untouched for ``temp_grace_s`` seconds; a live
+    writer's is never removed. ``reclaim_temp_files`` reports what was removed,
+    ``stats`` counts it. ``get`` lists nothing.
 
     Args:
         root: the cache directory.
@@ -64,10 +68,14 @@ class DiskKVStore(EncodedKVStore):
     """
 
     parallel_reads = True
+    # Seconds a temp file of a writer that may be alive (another host) may sit untouched.
+    temp_grace_s: float = STALE_TEMP_S
 
     def __init__(self, root: str | os.PathLike[str], *, secret: str | bytes | None = None) -> None:
         super().__init__(secret=secret)
         self.root = Path(root)
+        self._unreported = [0, 0]  # temp files and bytes reclaimed, not yet reported
+        self._reclaim_lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
         if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
@@ -91,17 +99,16 @@ class DiskKVStore(EncodedKVStore):
 
     def _write_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
+        fd: int | None = None
         tmp_path: str | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # Same directory as the target so os.replace is an atomic rename.
-            fd, tmp_path = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".part", dir=path.parent)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())  # content is durable before the name points at it
-            os.chmod(tmp_path, 0o644)  # mkstemp makes 0600; let other readers share the cache
-            os.replace(tmp_path, path)
+            # Same directory as the target so os.replace is an atomic rename; the
+            # file names this process and stays locked until it is closed.
+            fd, tmp_path = tempfiles.create(path.parent)
+            tempfiles.write_all(fd, data)
+            os.fsync(fd)  # content is durable before the name points at it
+            os.replace(tmp_path, path)  # still locked: never looks like a dead writer's
             tmp_path = None
         except OSError as exc:
             raise StoreWriteError(f"cannot write cache entry to {path}: {exc}") from exc
@@ -109,18 +116,27 @@ class DiskKVStore(EncodedKVStore):
             if tmp_path is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp_path)
+            if fd is not None:
+                tempfiles.done(fd)
 
     def _delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
-    def _entry_files(self) -> Iterator[tuple[str, Path]]:
+    def _shards(self) -> Iterator[Path]:
         if not self.root.is_dir():
             return
         for shard in sorted(self.root.iterdir()):
-            if len(shard.name) != 2 or not shard.is_dir():
-                continue
-            for path in sorted(shard.iterdir()):
-                # Skips temp files of in-flight writes and anything not named by a key.
+            if len(shard.name) == 2 and shard.is_dir():
+                yield shard
+
+    def _entry_files(self) -> Iterator[tuple[str, Path]]:
+        for shard in self._shards():
+            paths = sorted(shard.iterdir())
+            temps = [path for path in paths if tempfiles.is_temp_name(path.name)]
+            if temps:  # every listing reclaims dead writers' temp files
+                self._sweep(temps)
+            for path in paths:
+                # Skips temp files and anything not named by a key.
                 key = path.name[: -len(_SUFFIX)]
                 if path.name.endswith(_SUFFIX) and _KEY_RE.fullmatch(key) and key[:2] == shard.name:
                     yield key, path
@@ -152,21 +168,37 @@ class DiskKVStore(EncodedKVStore):
                 total += path.lstat().st_size
         return total
 
-    def temp_files(self) -> list[Path]:
-        """Temp files of writes in flight, or of writers that were killed."""
-        if not self.root.is_dir():
-            return []
-        return sorted(self.root.glob(f"??/{_TMP_PREFIX}*.part"))
+    def temp_files(self) -> list[TempFileInfo]:
+        """Temp files of writes in flight (writers alive, or on another host), after
+        removing those of dead writers."""
+        temps = [
+            path
+            for shard in self._shards()
+            for path in sorted(shard.iterdir())
+            if tempfiles.is_temp_name(path.name)
+        ]
+        return self._sweep(temps)
 
-    def remove_stale_temp_files(self, older_than_s: float = STALE_TEMP_S) -> int:
-        """Delete temp files older than ``older_than_s`` (a killed writer's); return how many."""
-        removed, now = 0, time.time()
-        for path in self.temp_files():
-            with contextlib.suppress(FileNotFoundError):
-                if now - path.lstat().st_mtime >= older_than_s:
-                    path.unlink()
-                    removed += 1
-        return removed
+    def reclaim_temp_files(self) -> tuple[int, int]:
+        """Remove dead writers' temp files; return ``(files, bytes)`` removed since the
+        last call (by this call, or by any listing meanwhile)."""
+        self.temp_files()
+        with self._reclaim_lock:
+            files, nbytes = self._unreported
+            self._unreported = [0, 0]
+        return files, nbytes
+
+    def _sweep(self, paths: list[Path]) -> list[TempFileInfo]:
+        named = [(path, f"{path.parent.name}/{path.name}") for path in paths]
+        kept, files, nbytes = tempfiles.sweep(named, grace_s=self.temp_grace_s)
+        if files:
+            logger.info("removed %d temp files (%d bytes) of dead writers", files, nbytes)
+            self._count("temp_files_reclaimed", files)
+            self._count("temp_bytes_reclaimed", nbytes)
+            with self._reclaim_lock:
+                self._unreported[0] += files
+                self._unreported[1] += nbytes
+        return kept
 
 
 def _open_regular(path: Path) -> tuple[int, int]:

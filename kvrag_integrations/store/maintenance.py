@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -17,10 +16,13 @@ class StoreSummary:
 
     Attributes:
         entries: how many entries.
-        nbytes: their total stored size.
+        nbytes: their total stored size (temp files not included).
         by_fingerprint: entries per model fingerprint (``None``: unreadable header).
         oldest, newest: the earliest and latest ``updated_at`` (``None``: unknown).
-        temp_files, temp_bytes: partial writes (in flight, or of killed writers).
+        temp_files, temp_bytes: partial writes of writers that may be alive
+            (in flight here, or on another host), apart from the entries.
+        temp_files_reclaimed, temp_bytes_reclaimed: partial writes of dead
+            writers removed since the store last reported (by this call too).
     """
 
     entries: int = 0
@@ -30,17 +32,17 @@ class StoreSummary:
     newest: float | None = None
     temp_files: int = 0
     temp_bytes: int = 0
+    temp_files_reclaimed: int = 0
+    temp_bytes_reclaimed: int = 0
 
 
 def summarize(store: KVStore) -> StoreSummary:
-    """Count the entries of ``store``, their bytes and their fingerprints."""
+    """Count the entries of ``store``, their bytes and their fingerprints, and its
+    temp files (removing dead writers' first)."""
+    temps = store.temp_files()
     infos = list(store.entries())
     times = [i.updated_at for i in infos if i.updated_at is not None]
-    temps = store.temp_files()
-    temp_bytes = 0
-    for path in temps:
-        with contextlib.suppress(FileNotFoundError):  # finished meanwhile
-            temp_bytes += path.lstat().st_size
+    reclaimed, reclaimed_bytes = store.reclaim_temp_files()
     return StoreSummary(
         entries=len(infos),
         nbytes=sum(i.nbytes for i in infos),
@@ -48,7 +50,9 @@ def summarize(store: KVStore) -> StoreSummary:
         oldest=min(times, default=None),
         newest=max(times, default=None),
         temp_files=len(temps),
-        temp_bytes=temp_bytes,
+        temp_bytes=sum(t.nbytes for t in temps),
+        temp_files_reclaimed=reclaimed,
+        temp_bytes_reclaimed=reclaimed_bytes,
     )
 
 
@@ -79,18 +83,22 @@ def select_for_pruning(
     older_than_s: float | None = None,
     foreign_to: str | None = None,
     now: float | None = None,
+    reserved_bytes: int = 0,
 ) -> list[EntryInfo]:
     """Choose the entries to evict; every criterion given adds to the choice.
 
     Args:
         entries: the store's entries (``store.entries()``).
         max_bytes: after the other criteria, evict the least recently updated
-            entries (unknown times first) until the rest fit in this many bytes.
+            entries (unknown times first) until the rest, plus
+            ``reserved_bytes``, fit in this many bytes.
         older_than_s: evict entries last updated more than this many seconds ago
             (entries of unknown age are kept).
         foreign_to: evict entries whose fingerprint is readable and differs from
             this one (entries made by another model, tokenizer or dtype).
         now: the current unix time (default: ``time.time()``).
+        reserved_bytes: bytes the store holds besides its entries that cannot
+            be evicted (live writers' temp files): they count toward ``max_bytes``.
 
     Returns:
         The chosen entries, in the order they should be deleted.
@@ -104,6 +112,8 @@ def select_for_pruning(
         ['a', 'b']
         >>> [i.key for i in select_for_pruning(infos, older_than_s=150, now=300.0)]
         ['a']
+        >>> [i.key for i in select_for_pruning(infos, max_bytes=25, reserved_bytes=10)]
+        ['a', 'b']
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
@@ -119,7 +129,7 @@ def select_for_pruning(
         (chosen if foreign or old else keep).append(info)
     if max_bytes is not None:
         keep.sort(key=lambda i: (i.updated_at is not None, i.updated_at or 0.0))
-        total = sum(i.nbytes for i in keep)
+        total = reserved_bytes + sum(i.nbytes for i in keep)
         for info in keep:
             if total <= max_bytes:
                 break
@@ -128,11 +138,36 @@ def select_for_pruning(
     return chosen
 
 
-def prune(store: KVStore, **criteria: float | str | None) -> list[EntryInfo]:
-    """Evict what the criteria choose (see :func:`select_for_pruning`), and the
-    partial writes of killed writers."""
-    store.remove_stale_temp_files()
-    chosen = select_for_pruning(store.entries(), **criteria)  # type: ignore[arg-type]
-    for info in chosen:
+class PruneResult(list[EntryInfo]):
+    """The entries :func:`prune` evicted, in order (a plain list of ``EntryInfo``),
+    with what it found of partial writes.
+
+    Attributes:
+        temp_files_reclaimed, temp_bytes_reclaimed: dead writers' temp files
+            removed (since the store last reported them).
+        temp_files, temp_bytes: live writers' temp files, kept and counted
+            toward ``max_bytes``.
+    """
+
+    temp_files_reclaimed: int = 0
+    temp_bytes_reclaimed: int = 0
+    temp_files: int = 0
+    temp_bytes: int = 0
+
+
+def prune(store: KVStore, **criteria: float | str | None) -> PruneResult:
+    """Remove dead writers' temp files, then evict what the criteria choose (see
+    :func:`select_for_pruning`; live writers' temp bytes count toward ``max_bytes``)."""
+    live = store.temp_files()
+    result = PruneResult(
+        select_for_pruning(
+            store.entries(),
+            reserved_bytes=sum(t.nbytes for t in live),
+            **criteria,  # type: ignore[arg-type]
+        )
+    )
+    for info in result:
         store.delete(info.key)
-    return chosen
+    result.temp_files_reclaimed, result.temp_bytes_reclaimed = store.reclaim_temp_files()
+    result.temp_files, result.temp_bytes = len(live), sum(t.nbytes for t in live)
+    return result

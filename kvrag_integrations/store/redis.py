@@ -52,7 +52,10 @@ class RedisKVStore(EncodedKVStore):
     A write is one optimistic transaction (redis-py's ``client.transaction``: WATCH,
     then MULTI/EXEC, retried on conflict), so concurrent writers of one entry
     leave one whole entry and no orphaned parts; the parts of an overwritten
-    entry expire a minute later (readers may still hold them).
+    entry expire a minute later (readers may still hold them). A delete is one
+    transaction too, so it never strands the parts of an entry written meanwhile.
+    A writer killed mid-write leaves nothing: the server drops a transaction
+    whose connection closes before EXEC.
 
     A dead or unreachable server never hangs a request (1 s socket timeouts, one
     retry): ``get`` is then a miss and ``contains`` is False, ``put`` raises
@@ -246,8 +249,17 @@ class RedisKVStore(EncodedKVStore):
 
     def _delete(self, key: str) -> None:
         rkey = self._rkey(key)
-        parts = self._old_parts(self.client, rkey)
-        self.client.delete(rkey, *parts)
+
+        def delete(pipe: Any) -> None:
+            """Read the parts and delete them with the manifest in one transaction on
+            ``rkey``: a writer that replaced the entry in between makes EXEC fail and
+            this run again, so its new parts never outlive their manifest (without a
+            TTL they would stay for ever, listed by nothing)."""
+            parts = self._old_parts(pipe, rkey)
+            pipe.multi()
+            pipe.delete(rkey, *parts)
+
+        self.client.transaction(delete, rkey)
 
     def keys(self) -> Iterator[str]:
         """Iterate over the entry keys under ``prefix`` (SCAN: no server stall)."""

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.store.base import EntryInfo, KVStore
+from kvrag_integrations.store.base import EntryInfo, KVStore, TempFileInfo
 from kvrag_integrations.store.budget import memory_budget
 from kvrag_integrations.store.memory import MemoryKVStore
 
@@ -146,6 +146,14 @@ class TieredKVStore(KVStore):
         for info in self.memory.entries():
             if info.key not in seen:
                 yield info
+
+    def temp_files(self) -> list[TempFileInfo]:
+        """The backend's partial writes (memory has none)."""
+        return self.backend.temp_files()
+
+    def reclaim_temp_files(self) -> tuple[int, int]:
+        """The backend's reclaim (memory has nothing to reclaim)."""
+        return self.backend.reclaim_temp_files()
 
     def check(self, key: str) -> str | None:
         """The backend's verdict on ``key`` (memory's for an entry only in memory)."""

@@ -7,7 +7,10 @@ or silent server. The engine over Redis is in test_engine_redis.py.
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -183,6 +186,54 @@ def test_round_trip_per_storage_precision(store: RedisKVStore, precision: str) -
         assert other.dtype == tensor.dtype and torch.equal(other, tensor), name
     keys = got.to("cpu", torch.float32).keys
     assert keys.dtype == torch.float32 and torch.allclose(keys, kv.to("cpu", torch.float32).keys)
+
+
+# A writer of a ~46 MB entry in 4 MiB parts, on a slow network (1 MiB per send).
+KILLED_WRITER = r"""
+import socket, sys, time
+real_sendall = socket.socket.sendall
+def slow_sendall(self, data, *args):
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), 1 << 20):
+        time.sleep(0.005)
+        real_sendall(self, view[start : start + (1 << 20)], *args)
+socket.socket.sendall = slow_sendall
+import torch
+from kvrag_integrations.chunk_kv import ChunkKV
+from kvrag_integrations.store import RedisKVStore
+url, prefix, fp = sys.argv[1:4]
+gen, shape = torch.Generator().manual_seed(0), (24, 2, 1870, 64)
+keys, values = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+kv = ChunkKV(torch.arange(1870), keys, values, fp)
+print(kv.key, flush=True)
+RedisKVStore(url, prefix=prefix, max_value_bytes=4 << 20, socket_timeout=60).put(kv)
+"""
+
+
+def test_a_writer_killed_mid_transaction_leaves_no_key(
+    server: RedisServer, store: RedisKVStore
+) -> None:
+    """SIGKILL while the server holds part of the write's MULTI: the connection
+    closes, the server drops the queued commands, and no part or manifest remains."""
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, server.url, store.prefix, FP],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    key = writer.stdout.readline().strip()
+
+    def queued() -> int:  # commands the server holds in some client's open MULTI
+        return max(int(c.get("multi", -1)) for c in store.client.client_list())
+
+    deadline = time.monotonic() + 120  # a guard against a hang, not a timing check
+    while queued() < 2 and writer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert writer.poll() is None and queued() >= 2  # mid-transaction: parts queued, no EXEC
+    writer.send_signal(signal.SIGKILL)
+    assert writer.wait() == -signal.SIGKILL  # killed, not finished
+    while queued() > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the server notices the closed connection
+    assert raw_keys(store) == set() and store.get(key, FP) is None
 
 
 # ------------------------------------------------------ a server that is not there

@@ -6,6 +6,7 @@ that records commands and fails EXEC with ``WatchError`` as told.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -53,6 +54,9 @@ class FakePipe:
     def set(self, key: str, value: Any, px: int | None = None) -> None:
         self.queued.append((key, bytes(value)))
 
+    def delete(self, *keys: str) -> None:
+        self.queued.extend((key, None) for key in keys)
+
     def pexpire(self, key: str, ms: int) -> None:
         pass
 
@@ -63,10 +67,16 @@ class FakePipe:
         if self.client.conflicts:
             self.client.conflicts -= 1
             self.queued.clear()
-            if self.client.other_writer:
+            if callable(self.client.other_writer):
+                self.client.other_writer(self.client.data)
+            elif self.client.other_writer:
                 self.client.data["kvrag:" + KEY] = b"theirs"
             raise redis.WatchError("watched key changed")
-        self.client.data.update(self.queued)
+        for key, value in self.queued:  # a value of None: a DEL
+            if value is None:
+                self.client.data.pop(key, None)
+            else:
+                self.client.data[key] = value
         done, self.queued = self.queued, []
         return [True] * len(done)
 
@@ -74,7 +84,7 @@ class FakePipe:
 class FakeClient:
     transaction = redis.Redis.transaction  # redis-py's retry loop, as is
 
-    def __init__(self, conflicts: int, other_writer: bool) -> None:
+    def __init__(self, conflicts: int, other_writer: bool | Callable[[dict], None]) -> None:
         self.data: dict[str, bytes] = {}
         self.conflicts, self.other_writer = conflicts, other_writer
         self.watched: list[tuple[str, ...]] = []
@@ -109,3 +119,20 @@ def test_writers_that_keep_conflicting_fail_after_three_transactions() -> None:
     with pytest.raises(StoreWriteError, match="kept conflicting"):
         RedisKVStore(client=client)._write_bytes(KEY, b"ours")
     assert client.executed == 3
+
+
+def test_a_delete_never_strands_the_parts_of_an_entry_written_meanwhile() -> None:
+    """Another writer replaces a split entry between the delete's read of its parts and
+    its DEL: the transaction conflicts and runs again, deleting the new parts too."""
+    client = FakeClient(conflicts=0, other_writer=False)
+    store = RedisKVStore(client=client, max_value_bytes=4)
+    store._write_bytes(KEY, b"0123456789")  # 3 parts and a manifest
+    theirs = FakeClient(conflicts=0, other_writer=False)
+    RedisKVStore(client=theirs, max_value_bytes=4)._write_bytes(KEY, b"abcdefghij")
+    new_parts = set(theirs.data) - {"kvrag:" + KEY}
+    assert len(new_parts) == 3 and not new_parts & set(client.data)
+    client.conflicts, client.other_writer = 1, lambda data: data.update(theirs.data)
+    client.executed = 0
+    store._delete(KEY)
+    assert client.executed == 2 and client.watched[-2:] == [("kvrag:" + KEY,)] * 2
+    assert "kvrag:" + KEY not in client.data and not new_parts & set(client.data)
