@@ -74,3 +74,43 @@ def test_engine_sub_packages_depend_one_way() -> None:
     assert "modeling" in {
         _engine_part(m) for m in _runtime_imports(ENGINE / "caching" / "chunks.py")
     }
+
+
+VLLM = Path(kvrag_integrations.__file__).parent / "vllm"
+
+
+def test_the_vllm_package_depends_on_the_engine_not_on_frameworks() -> None:
+    """The connector and VLLMEngine sit beside the engine: no adapter, no framework."""
+    offenders = {
+        path.name: hits
+        for path in VLLM.rglob("*.py")
+        if (
+            hits := [
+                m
+                for m in _runtime_imports(path)
+                if m.split(".")[0] in FRAMEWORKS
+                or m.startswith(("kvrag_integrations.llama_index", "kvrag_integrations.langchain"))
+            ]
+        )
+    }
+    assert offenders == {}
+
+
+def test_only_the_connector_and_the_local_backend_import_vllm_at_load() -> None:
+    """A client of a vLLM server needs no vLLM: only the module vLLM itself loads
+    imports it at the top; the in-process backend imports it when it starts one."""
+    top_level = {
+        path.name
+        for path in VLLM.rglob("*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and any(
+            name.split(".")[0] == "vllm"
+            for name in (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+            )
+        )
+    }
+    assert top_level == {"connector.py"}

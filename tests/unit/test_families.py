@@ -363,3 +363,21 @@ def test_f_chunk_suffix_read_with_its_chunk(model: LoadedModel) -> None:
     if all(w is None for w in model.layout.windows):  # (short windows hide the rows)
         alone = TurboRAG().prefill(model, plain, chunk_kvs(model, plain))
         assert (turbo.logits - alone.logits).abs().max() > 1e-4  # the suffix rows differ
+
+
+def test_g_layout_from_the_config_alone_is_the_loaded_models(model: LoadedModel) -> None:
+    """What the vLLM connector reads (``ModelLayout.of_config``: no weights) moves keys
+    exactly as the loaded model's layout does."""
+    got = ModelLayout.of_config(model.model.config)
+    want = model.layout
+    assert (got.architecture, got.num_layers, got.kv_heads, got.head_dim) == (
+        want.architecture,
+        want.num_layers,
+        want.kv_heads,
+        want.head_dim,
+    )
+    assert (got.layer_types, got.windows) == (want.layer_types, want.windows)
+    assert got.rotary.keys() == want.rotary.keys()
+    for kind, rot in want.rotary.items():
+        assert got.rotary[kind].interleaved == rot.interleaved
+        assert torch.equal(got.rotary[kind].inv_freq, rot.inv_freq)

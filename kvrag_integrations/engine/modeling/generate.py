@@ -42,7 +42,7 @@ __all__ = [
 
 
 # What GenerationResult.stats leaves out: the answer itself, not numbers about it.
-_NOT_STATS = frozenset({"text", "token_ids", "first_token_logits"})
+_NOT_STATS = frozenset({"text", "token_ids", "first_token_logits", "first_token_logprobs"})
 
 
 @dataclass
@@ -87,6 +87,9 @@ class GenerationResult:
         miss_policy: the ``on_miss`` policy that decided (``"auto"``, ...).
         miss_reason: why the request reused or answered by full prefill.
         first_token_logits: float32 logits of the first generated token.
+        first_token_logprobs: ``{token id: log-probability}`` of the first generated
+            token's likeliest tokens, where the engine reports those instead of
+            logits (``VLLMEngine`` with ``logprobs=k``).
     """
 
     text: str = ""
@@ -113,6 +116,7 @@ class GenerationResult:
     evicted_chunks: int = 0
     miss_policy: str = ""
     miss_reason: str = ""
+    first_token_logprobs: dict[int, float] | None = field(default=None, repr=False)
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -49,6 +49,7 @@ __all__ = [
     "self_attention",
     "set_attn_implementation",
     "shallow_model",
+    "skeleton_model",
     "versions",
 ]
 
@@ -231,6 +232,18 @@ def shallow_model(lm: Any, layers: int, vocab: int) -> Iterator[None]:
         yield
     finally:
         lm.model.layers, lm.lm_head = blocks, head
+
+
+def skeleton_model(config: Any) -> Any:
+    """The causal LM of ``config`` with its parameters on the meta device and its
+    buffers (the rotary frequencies) real: what ``ModelLayout.of`` reads, for a
+    process that serves the weights with another runtime (the vLLM connector),
+    in milliseconds and no memory."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def self_attention(lm: Any) -> Any:

@@ -29,6 +29,7 @@ from kvrag_integrations.engine.modeling.hf_compat import (
     rotary_cos_sin,
     rotary_inv_freq,
     self_attention,
+    skeleton_model,
 )
 from kvrag_integrations.engine.modeling.rope import rotate_keys, rotation, shift_keys
 from kvrag_integrations.errors import UnsupportedModelError
@@ -154,6 +155,15 @@ class ModelLayout:
         rotary = {t: _rotary_shift(lm, t, arch) for t in dict.fromkeys(types)}
         impl = attn_implementation(config)
         return cls(arch, num_layers, kv_heads, head_dim, types, windows, rotary, impl)
+
+    @classmethod
+    def of_config(cls, config: Any) -> ModelLayout:
+        """``of`` for a model known only by its config: its class built with no
+        weights (``hf_compat.skeleton_model``), rotary frequencies real. The
+        vLLM connector moves stored keys with it; the same checks refuse the
+        same models.
+        """
+        return cls.of(skeleton_model(config))
 
 
 def _window(config: Any, layer_type: str) -> int | None:

@@ -137,14 +137,7 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> list[int]:
         """Every end-of-sequence id the generation config, config or tokenizer names."""
-        ids = set()
-        for source in (self.model.generation_config, self.model.config, self.tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(int(v) for v in value)
-        return sorted(ids)
+        return _eos_ids([self.model.generation_config, self.model.config, self.tokenizer])
 
 
 def load_model(
@@ -192,9 +185,7 @@ def load_model(
         # back to the OS and the next request page-fault it again (turbo's TTFT
         # 2.5x its floor at 16 chunks). KVRAG_KEEP_FREED_MEMORY=0 turns it off.
         keep_freed_memory()
-    source, gguf_file, name = _resolve_source(model)
-    if gguf_file is not None:
-        source = _dequantized_copy(Path(source), gguf_file)
+    source, name = checkpoint_folder(model)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     if attn_implementation is not None:
@@ -215,6 +206,41 @@ def load_model(
     extra = adapter_identity(adapter) if adapter is not None else ""
     fp = model_fingerprint(lm, tokenizer, torch_dtype, extra=extra)
     return LoadedModel(lm, tokenizer, name, fp, dev, torch_dtype, layout)
+
+
+def checkpoint_folder(model: str | os.PathLike | None = None) -> tuple[str, str]:
+    """``(source, name)``: what another runtime loads for ``model`` (the vLLM engine):
+    a Hugging Face id or directory as given, and a ``.gguf`` file (or None, the
+    bundled default) as its dequantized safetensors copy, made once."""
+    source, gguf_file, name = _resolve_source(model)
+    if gguf_file is not None:
+        source = _dequantized_copy(Path(source), gguf_file)
+    return source, name
+
+
+def eos_token_ids(source: str | os.PathLike, tokenizer: Any) -> list[int]:
+    """Every end-of-sequence id of a checkpoint without loading its weights
+    (``LoadedModel.eos_token_ids``' sources: generation config, config, tokenizer)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    sources: list[Any] = [tokenizer]
+    for loader in (GenerationConfig.from_pretrained, AutoConfig.from_pretrained):
+        try:
+            sources.append(loader(source))
+        except (OSError, ValueError):  # absent (a tokenizer-only folder): the others decide
+            continue
+    return _eos_ids(sources)
+
+
+def _eos_ids(sources: list[Any]) -> list[int]:
+    ids = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
 
 
 def _resolve_source(model: str | os.PathLike | None) -> tuple[str, str | None, str]:

@@ -1,0 +1,217 @@
+"""KVRAGConnector: this package's chunk caches in vLLM, through its KV-connector API (v1).
+
+vLLM loads it by module path (``config.transfer_config``): one instance in the
+scheduler process (``SchedulerSide``: lookups and per-step plans) and one in
+each worker (``WorkerSide``: the paged cache in and out). This class only
+adapts vLLM's calls to those two and holds what both need: the settings, the
+store, and the fingerprint of the weights served (``identity``).
+
+Loads are synchronous: a step that loads writes its pieces before its forward
+(a disk or memory-tier read of a prompt's entries is a small part of the
+prefill it replaces). Saves happen after the forward of the step that
+completes a prompt, before its output is returned, so a client that sees an
+encode request finish finds its entry stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.store import KVStore, TieredKVStore, open_store
+from kvrag_integrations.vllm.config import LOAD_FAILURE_POLICY, ConnectorSettings
+from kvrag_integrations.vllm.identity import (
+    connector_fingerprint,
+    model_folder,
+    weights_fingerprint,
+)
+from kvrag_integrations.vllm.scheduler_side import SchedulerSide, StepOps
+from kvrag_integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class KVRAGConnectorMetadata(KVConnectorMetadata):
+    """One step's ``StepOps``, sent from the scheduler to the workers."""
+
+    def __init__(self, ops: StepOps) -> None:
+        self.ops = ops
+
+
+class KVRAGWorkerMetadata(KVConnectorWorkerMetadata):
+    """Sent from the workers to the scheduler after a step: requests whose load
+    failed, and the prompt position vLLM recomputes them from."""
+
+    def __init__(self, failed_loads: dict[str, int]) -> None:
+        self.failed_loads = failed_loads
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.failed_loads)
+        for request_id, position in getattr(other, "failed_loads", {}).items():
+            merged[request_id] = min(position, merged.get(request_id, position))
+        return KVRAGWorkerMetadata(merged)
+
+
+class KVRAGConnector(KVConnectorBase_V1):
+    """Reuse of stored chunk caches (TurboRAG) inside vLLM, and chunk encoding by vLLM."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        policy = getattr(transfer, "kv_load_failure_policy", LOAD_FAILURE_POLICY)
+        if policy != LOAD_FAILURE_POLICY:
+            raise ValueError(
+                f"KVRAGConnector needs kv_load_failure_policy={LOAD_FAILURE_POLICY!r} (a "
+                "missing or corrupt entry is then recomputed, not an error); use "
+                "kvrag_integrations.vllm.transfer_config(...) to build the config"
+            )
+        self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        dtype = str(model.dtype).removeprefix("torch.")
+        extra = ""
+        if str(vllm_config.load_config.load_format) == "dummy":  # random weights of a seed
+            extra = f"dummy-seed:{model.seed}"
+        folder = model_folder(model.model, model.revision)
+        weights = weights_fingerprint(folder, dtype, extra)
+        tp_size = parallel.tensor_parallel_size
+        precision = self.settings.cache_precision
+        self._fingerprints = [
+            connector_fingerprint(weights, precision, rank, tp_size) for rank in range(tp_size)
+        ]
+        self._backend: KVStore = open_store(self.settings.store)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self._fingerprints, self._backend.contains, self._request_blocks
+            )
+        else:
+            from transformers import AutoConfig
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+            layout = _rank_layout(
+                ModelLayout.of_config(AutoConfig.from_pretrained(folder)), tp_size
+            )
+            tier = self.settings.memory_tier_bytes
+            store = TieredKVStore(self._backend, max_bytes=tier) if tier else self._backend
+            self._worker = WorkerSide(store, self._fingerprints[rank], precision, layout)
+            self._worker.scheduler_block_size = vllm_config.cache_config.block_size
+        logger.info(
+            "KVRAGConnector (%s): store %s, precision %s, fingerprint %s",
+            role.name.lower(),
+            type(self._backend).__name__,
+            precision,
+            self._fingerprints[0][:12],
+        )
+
+    # ============================================================ scheduler side
+    def _request_blocks(self, request_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None  # bound by the scheduler at start
+        return list(self._kv_cache_manager.get_block_ids(request_id)[0])
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.allocated(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        counts = scheduler_output.num_scheduled_tokens
+        scheduled = [
+            (r.req_id, r.num_computed_tokens, counts.get(r.req_id, 0))
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += [
+            (req_id, cached.num_computed_tokens[i], counts.get(req_id, 0))
+            for i, req_id in enumerate(cached.req_ids)
+        ]
+        return KVRAGConnectorMetadata(self._scheduler.step(scheduled))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        for request_id, position in getattr(meta, "failed_loads", {}).items():
+            self._scheduler.load_failed(request_id, position)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return False, self._scheduler.finished(request.request_id).as_params()
+
+    # =============================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        attention = self._vllm_config.compilation_config.static_forward_context
+        self._worker.register(kv_caches, attention)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVRAGConnectorMetadata)
+        for op in meta.ops.loads:
+            self._worker.load(op)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # saved whole in wait_for_save, once the prompt is prefilled
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVRAGConnectorMetadata)
+        for op in meta.ops.saves:
+            self._worker.save(op)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        failed = self._worker.take_failed_loads() if self._worker is not None else {}
+        return KVRAGWorkerMetadata(failed) if failed else None
+
+
+def _rank_layout(layout: ModelLayout, tp_size: int) -> ModelLayout:
+    """A tensor-parallel rank's layout: its share of the KV heads (at least one)."""
+    if tp_size == 1:
+        return layout
+    from dataclasses import replace
+
+    return replace(layout, kv_heads=max(1, layout.kv_heads // tp_size))

@@ -1,0 +1,407 @@
+"""VLLMEngine: ``KVRAGEngine``'s methods and results, answered by vLLM.
+
+The prompt is built and tokenized here exactly as the in-process engine builds
+it (``EngineFrontend``, ``PromptTokenizer``: chunks tokenized alone, pointed
+at their entries), then sent to vLLM as token ids:
+
+- ``strategy="turbo"`` (the default): the prompt's leading run of stored
+  pieces (the cached leading text, then the chunks back to back) goes to the
+  connector, which writes their stored K/V into vLLM's cache, keys moved to
+  their positions; vLLM computes the rest. The request carries a salt of its
+  layout (``TransferParams.salt``), so vLLM's own prefix cache never hands its
+  approximate blocks to an exact request.
+- ``strategy="full"``: plain vLLM, its own (exact) prefix caching included.
+- ``strategy="blend"``: refused (``UnsupportedInputError``): recomputing chosen
+  tokens needs attention inside vLLM that the connector API does not expose.
+
+Chunks are encoded by vLLM's own batched prefill: one prefill-only request
+per entry, all in flight at once, each saved by the connector. A turbo
+request whose pieces are not all stored is not held up: vLLM computes what is
+missing in the same forward (never slower than a plain prefill), and the
+pieces are then encoded in the background for the next request
+(``on_miss="auto"`` or ``"defer"``); ``on_miss="encode"`` encodes them first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvrag_integrations.engine.caching.entries import DEFAULT_CHUNK_SUFFIX, ChunkRef
+from kvrag_integrations.engine.caching.prompt_tokenizer import PromptTokenizer
+from kvrag_integrations.engine.frontend import EngineFrontend
+from kvrag_integrations.engine.modeling.generate import GenerationResult
+from kvrag_integrations.engine.modeling.sampling import SamplingParams, check_int
+from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
+from kvrag_integrations.engine.prompting.segments import (
+    TokenizedPrompt,
+    cache_leading_text,
+    validate_chunk_text,
+)
+from kvrag_integrations.engine.request import Request, RequestOptions, prepare
+from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, check_on_miss
+from kvrag_integrations.engine.streaming import Job
+from kvrag_integrations.errors import UnsupportedInputError
+from kvrag_integrations.vllm.backend import Backend, BackendRequest, sampling_args
+from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
+
+logger = logging.getLogger(__name__)
+
+_ENCODE = {"max_tokens": 1, "temperature": 0.0}  # a prefill-only request
+_FINISH = {"abort": "cancelled", None: "length"}
+_MAX_PREFIXES = 256  # leading texts remembered as encoded
+
+
+class VLLMEngine(EngineFrontend):
+    """Answers over retrieved chunks on vLLM, reusing their stored KV caches.
+
+    Build one with ``from_pretrained`` (vLLM in this process) or ``connect``
+    (a running vLLM OpenAI server started with the connector).
+
+    Args:
+        backend: the vLLM that answers (``local.LocalBackend`` or ``remote.ServerBackend``).
+        tokenizer: the served model's tokenizer (prompts are tokenized here).
+        cache_prefix: reuse the prompt's leading text (system prompt, template
+            header, instruction) like a chunk.
+        chunk_suffix: text stored after every chunk, in its entry (as ``KVRAGEngine``).
+        on_miss: ``"auto"`` and ``"defer"`` answer at once (vLLM computes pieces
+            that are not stored) and encode those pieces in the background;
+            ``"encode"`` encodes them first.
+        eos_token_ids: ids that end an answer (default: the tokenizer's EOS).
+        max_in_flight: encode requests in flight at once (vLLM batches them).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Any,
+        *,
+        cache_prefix: bool = True,
+        chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
+        on_miss: str = DEFAULT_ON_MISS,
+        eos_token_ids: Sequence[int] | None = None,
+        max_in_flight: int = 32,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.prompts = PromptTokenizer(tokenizer, chunk_suffix)  # chunks encoded alone
+        self.cache_prefix = cache_prefix
+        self.on_miss = check_on_miss(on_miss)
+        eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
+        self.eos_token_ids = sorted({int(i) for i in eos if i is not None})
+        self._fingerprint: str | None = None
+        self._pool = ThreadPoolExecutor(check_int("max_in_flight", max_in_flight, minimum=1))
+        self._background: dict[tuple[int, ...], Future[Reply]] = {}
+        self._prefixes: dict[tuple[int, ...], None] = {}  # leading texts encoded (ordered)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> VLLMEngine:
+        """vLLM in this process; see ``vllm.loading.from_pretrained``."""
+        from kvrag_integrations.vllm.loading import from_pretrained
+
+        return from_pretrained(cls, *args, **kwargs)
+
+    @classmethod
+    def connect(cls, *args: Any, **kwargs: Any) -> VLLMEngine:
+        """The client of a running vLLM OpenAI server; see ``vllm.loading.connect``."""
+        from kvrag_integrations.vllm.loading import connect
+
+        return connect(cls, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<VLLMEngine {self.model_name} via {type(self.backend).__name__} at {id(self):#x}>"
+
+    # ----------------------------------------------------------------- facts
+    @property
+    def model_name(self) -> str:
+        return self.backend.model_name
+
+    @property
+    def context_window(self) -> int:
+        """vLLM's ``max_model_len``."""
+        return self.backend.context_window
+
+    @property
+    def fingerprint(self) -> str:
+        """The connector's storage fingerprint (asked once, with a one-token request)."""
+        if self._fingerprint is None:
+            self._run_encode([int(self.eos_token_ids[0])], TransferParams())
+        assert self._fingerprint is not None
+        return self._fingerprint
+
+    def prefetch(self, chunks: Sequence[str]) -> int:
+        """Nothing to start here: the connector reads entries where vLLM runs."""
+        return 0
+
+    # ---------------------------------------------------------------- chunks
+    def encode_chunks(
+        self,
+        chunks: Sequence[str],
+        *,
+        batch_size: int = 32,
+        show_progress: bool = True,
+        overwrite: bool = False,
+    ) -> list[ChunkRef]:
+        """Have vLLM prefill each chunk alone and the connector store its cache.
+
+        Stored ones cost a one-token request and are not written again (unless
+        ``overwrite``). ``batch_size``: encode requests in flight at once (vLLM
+        batches what is in flight). Returns one ``ChunkRef`` per chunk, in order.
+        """
+        if isinstance(chunks, str):
+            raise TypeError("chunks must be a list of strings, not one string")
+        pairs = [self.prompts.chunk(validate_chunk_text(text)) for text in chunks]
+        for ids, _ in pairs:
+            self.check_fits(len(ids), "a chunk")
+        for text in chunks:
+            self.prompts.index.add(text)
+        entries = list(dict.fromkeys(tuple(entry.tolist()) for _, entry in pairs))
+        params = TransferParams(overwrite=overwrite)
+        keys: dict[tuple[int, ...], str] = {}
+        step = max(1, batch_size)
+        with tqdm(
+            total=len(entries), desc="Encoding chunk caches", disable=not show_progress
+        ) as bar:
+            for start in range(0, len(entries), step):
+                batch = entries[start : start + step]
+                replies = self._pool.map(partial(self._encode, params=params), batch)
+                for entry, reply in zip(batch, replies):
+                    keys[entry] = reply.keys[0]
+                    bar.update(1)
+        return [ChunkRef(keys[tuple(entry.tolist())], len(ids)) for ids, entry in pairs]
+
+    def _encode(self, entry: Sequence[int], params: TransferParams) -> Reply:
+        save = TransferParams((), (PieceSpec(0, len(entry)),), params.overwrite)
+        return self._run_encode(list(entry), save)
+
+    def _run_encode(self, ids: list[int], params: TransferParams) -> Reply:
+        request = BackendRequest(ids, dict(_ENCODE), None, params.as_request(), stream=False)
+        reply = None
+        for event in self.backend.submit(request, threading.Event()):
+            reply = event.reply or reply
+        if reply is None:
+            raise RuntimeError(
+                f"{self.model_name}: vLLM answered without the KVRAGConnector's reply; start it "
+                "with kvrag_integrations.vllm.transfer_config(...) as its kv_transfer_config"
+            )
+        self._fingerprint = reply.fingerprint
+        return reply
+
+    def encode_in_background(self, entries: Sequence[Sequence[int]]) -> int:
+        """Queue encode requests for entries (by ids) not queued yet; how many were."""
+        params = TransferParams()
+        queued = 0
+        with self._lock:
+            for entry in map(tuple, entries):
+                held = self._background.get(entry)
+                if held is None or held.done():
+                    self._background[entry] = self._pool.submit(self._encode, entry, params)
+                    queued += 1
+        return queued
+
+    def wait_for_encoding(self, timeout: float | None = None) -> bool:
+        """Wait for background encodes; False if ``timeout`` (s) ran out first."""
+        with self._lock:
+            pending = list(self._background.values())
+        done, left = wait(pending, timeout=timeout)
+        with self._lock:
+            for entry in [e for e, f in self._background.items() if f in done]:
+                self._background.pop(entry, None)
+        return not left
+
+    # --------------------------------------------------------------- requests
+    def open_request(
+        self, question: str | None, chunks: Sequence[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[Job, GenerationResult]:
+        """Check a request (a strategy vLLM cannot run is refused here) and return
+        the work a stream's worker runs."""
+        kwargs = dict(kwargs)
+        logprobs = kwargs.pop("logprobs", None)
+        if logprobs is not None:
+            check_int("logprobs", logprobs, minimum=1)
+        prompt_args = {name: kwargs.pop(name) for name in PROMPT_ARGS if name in kwargs}
+        options = RequestOptions().merged(kwargs)
+        _check_strategy(options)
+        request = prepare(self, options, question=question, chunks=chunks, **prompt_args)
+        if request.strategy.name == "turbo" and self.cache_prefix:
+            request.prompt = cache_leading_text(request.prompt)
+        self.prompts.remember(request.prompt)
+        result = GenerationResult(strategy=request.strategy.name)
+        job = partial(self._answer, request, options.sampling, logprobs, result)
+        return job, result
+
+    def _answer(
+        self,
+        request: Request,
+        sampling: SamplingParams,
+        logprobs: int | None,
+        result: GenerationResult,
+        cancel: threading.Event,
+    ) -> Iterator[str]:
+        prompt = request.prompt
+        run = load_run(self.prompts, prompt) if request.strategy.name == "turbo" else ()
+        params = TransferParams(load=run)
+        if run:  # pieces an earlier request left to the background: wait for them
+            result.awaited_chunks = self._await_background(prompt, run)
+        if run and request.on_miss == "encode":
+            self._encode_all(prompt, run)
+        elif run and prompt.pieces[0].is_prefix:
+            self._ensure_prefix(prompt, run[0])
+        call = BackendRequest(
+            prompt.input_ids.tolist(),
+            sampling_args(sampling, self.eos_token_ids),
+            params.salt(),
+            params.as_request() if run else None,
+            logprobs,
+        )
+        cached: int | None = None
+        recomputed = 0  # tokens vLLM counts as cached though a failed load recomputed them
+        keep = sampling.max_new_tokens > 0
+        for event in self.backend.submit(call, cancel):
+            if event.token_ids and not result.ttft_s:
+                result.ttft_s = time.perf_counter() - request.started
+                result.first_token_logprobs = event.logprobs
+            cached = event.cached_tokens if event.cached_tokens is not None else cached
+            if event.reply is not None:
+                self._fingerprint = event.reply.fingerprint
+                recomputed = event.reply.recomputed
+            if event.finish_reason is not None:
+                result.finish_reason = _FINISH.get(event.finish_reason, event.finish_reason)
+            if keep:
+                result.token_ids += event.token_ids
+                if event.text:
+                    result.text += event.text
+                    yield event.text
+        if cancel.is_set():
+            result.finish_reason = "cancelled"
+        stops = {*self.eos_token_ids, *sampling.stop_token_ids}
+        if result.finish_reason == "stop" and result.token_ids and result.token_ids[-1] in stops:
+            result.token_ids.pop()  # vLLM returns the stop token; the answer ends before it
+        result.generated_tokens = len(result.token_ids)
+        result.total_s = time.perf_counter() - request.started
+        if cached is not None:
+            cached -= recomputed
+        self._account(result, prompt, run, cached, request.on_miss)
+
+    def _await_background(self, prompt: TokenizedPrompt, run: Sequence[PieceSpec]) -> int:
+        """Wait for the background encodes of ``run``'s pieces (in flight in vLLM:
+        what this request needs to reuse them); how many chunks were awaited."""
+        ids = prompt.input_ids.tolist()
+        kinds = [p.kind for p in prompt.pieces if p.is_cached]
+        with self._lock:
+            pending = [
+                (kind, future)
+                for kind, piece in zip(kinds, run)
+                if (future := self._background.get(tuple(piece.entry_ids(ids)))) is not None
+                and not future.done()
+            ]
+        wait([f for _, f in pending])
+        return sum(kind == "chunk" for kind, _ in pending)
+
+    def _ensure_prefix(self, prompt: TokenizedPrompt, head: PieceSpec) -> None:
+        """Encode the cached leading text the first time it is seen: the whole run
+        loads only from it on (a few dozen tokens, one small request per template)."""
+        entry = tuple(head.entry_ids(prompt.input_ids.tolist()))
+        with self._lock:
+            known = entry in self._prefixes
+        if not known:
+            self._encode(entry, TransferParams())
+            with self._lock:
+                self._prefixes[entry] = None
+                while len(self._prefixes) > _MAX_PREFIXES:
+                    self._prefixes.pop(next(iter(self._prefixes)))
+
+    def _encode_all(self, prompt: TokenizedPrompt, run: Sequence[PieceSpec]) -> None:
+        ids = prompt.input_ids.tolist()
+        entries = list(dict.fromkeys(tuple(p.entry_ids(ids)) for p in run))
+        list(self._pool.map(partial(self._encode, params=TransferParams()), entries))
+
+    def _account(
+        self,
+        result: GenerationResult,
+        prompt: TokenizedPrompt,
+        run: Sequence[PieceSpec],
+        cached: int | None,
+        on_miss: str,
+    ) -> None:
+        """The result's token accounting from vLLM's count of cached prompt tokens."""
+        total = prompt.num_tokens
+        reused = min(cached or 0, total)
+        result.prompt_tokens, result.reused_tokens = total, reused
+        result.prefilled_tokens = total - reused
+        result.miss_policy = on_miss
+        head = prompt.pieces[0] if prompt.pieces else None
+        prefix = head.ids.numel() if head is not None and head.is_prefix else 0
+        result.reused_prefix_tokens = min(reused, prefix)
+        result.reused_chunk_tokens = reused - result.reused_prefix_tokens
+        kinds = [p.kind for p in prompt.pieces if p.is_cached][: len(run)]
+        result.reused_chunks = sum(
+            kind == "chunk" and piece.end <= reused for kind, piece in zip(kinds, run)
+        )
+        if not run:
+            result.miss_reason = f"strategy {result.strategy!r} reads no chunk caches"
+            return
+        limit = min(run[-1].end, total - 1)  # vLLM computes the last prompt token itself
+        missing = [p for p in run if min(p.end, limit) > reused]
+        if not missing:
+            result.miss_reason = "every chunk cache was stored"
+            return
+        result.fallback = "uncached"
+        ids = prompt.input_ids.tolist()
+        result.deferred_chunks = self.encode_in_background([p.entry_ids(ids) for p in missing])
+        result.miss_reason = (
+            f"{len(missing)} piece(s) not stored: vLLM computed them in the request; "
+            "encoding them in the background for the next"
+        )
+
+    def close(self) -> None:
+        """Stop background encoding and release vLLM (or the connection)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.backend.close()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_run(prompts: PromptTokenizer, prompt: TokenizedPrompt) -> tuple[PieceSpec, ...]:
+    """The prompt's leading run of stored pieces (the cached leading text, then
+    chunks back to back), as the connector reads them."""
+    run = []
+    position = 0
+    for piece in prompt.pieces:
+        if not piece.is_cached:
+            break
+        rows = piece.ids.numel()
+        entry = prompts.piece_entry_ids(piece)
+        run.append(PieceSpec(position, rows, tuple(entry[rows:].tolist())))
+        position += rows
+    return tuple(run)
+
+
+def _check_strategy(options: RequestOptions) -> None:
+    """Refuse what vLLM cannot run (a clear error at the call, never a wrong answer)."""
+    if not isinstance(options.strategy, str):
+        raise UnsupportedInputError("VLLMEngine takes a strategy by name ('turbo' or 'full')")
+    name = options.strategy
+    if name == "blend":
+        raise UnsupportedInputError(
+            'strategy="blend" is not available on VLLMEngine: recomputing chosen tokens needs '
+            "attention inside vLLM that its KV-connector API does not expose; use "
+            '"turbo" (stored caches reused) or "full" here, or KVRAGEngine for blend'
+        )
+    if options.strategy_options:
+        raise UnsupportedInputError(
+            f"VLLMEngine runs {name!r} with its defaults; strategy options "
+            f"{sorted(options.strategy_options)} need KVRAGEngine"
+        )

@@ -1,0 +1,128 @@
+"""What the connector's entries are keyed by: the weights vLLM serves, read from their files.
+
+vLLM holds the weights in its own modules (fused projections, sharded), so the
+in-process engine's fingerprint (``model_fingerprint``, over transformers'
+parameters) cannot be taken there. This one is taken from the checkpoint the
+server loads: its config, its tokenizer files, and a strided sample of every
+weight file's bytes (any fine-tune or merged adapter changes it), plus the
+compute dtype, the cache format version and, under tensor parallelism, the
+rank's share of the heads. The connector's scheduler and worker processes
+compute it alike; a replica serving the same files computes the same one, so
+replicas share entries; entries of another model, dtype or precision are other
+keys and are never read.
+
+Entries of the in-process engine are not read by the connector nor the other
+way round: the two engines' kernels round differently, and keeping their key
+spaces apart keeps every comparison between them honest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from kvrag_integrations.chunk_kv import FORMAT_VERSION, storage_fingerprint
+
+ENGINE_TAG = "vllm"
+
+# Files that make the tokenizer (their bytes are hashed).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# Config fields that say where or when a checkpoint was written, not what it is.
+_VOLATILE = ("_name_or_path", "_model_name_or_path", "transformers_version", "_commit_hash")
+_SAMPLES = 64  # strided samples per weight file
+_SAMPLE_BYTES = 256
+
+
+def model_folder(model: str, revision: str | None = None) -> Path:
+    """The local folder of the checkpoint vLLM serves (a directory, or a Hugging
+    Face id already in the local cache).
+
+    Raises:
+        FileNotFoundError: neither (the connector cannot key entries by the weights).
+    """
+    path = Path(model)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"the KV connector keys entries by the checkpoint's files, and found none for "
+            f"{model!r} (a local directory, or a Hugging Face id in the local cache): {exc}"
+        ) from exc
+
+
+def weights_fingerprint(folder: str | os.PathLike[str], dtype: str, extra: str = "") -> str:
+    """A short hash of a checkpoint folder's config, tokenizer and weights, and ``dtype``.
+
+    Weight files are identified by name, size and ``_SAMPLES`` strided samples
+    of their bytes (cheap for any size: a few reads per file).
+
+    Examples:
+        >>> import tempfile, pathlib
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     _ = (pathlib.Path(tmp) / "config.json").write_text('{"model_type": "llama"}')
+        ...     _ = (pathlib.Path(tmp) / "model.safetensors").write_bytes(bytes(range(256)) * 8)
+        ...     a = weights_fingerprint(tmp, "float32")
+        ...     _ = (pathlib.Path(tmp) / "model.safetensors").write_bytes(bytes(2048))
+        ...     a != weights_fingerprint(tmp, "float32")
+        True
+    """
+    root = Path(folder)
+    digest = hashlib.sha256(ENGINE_TAG.encode())
+    config = json.loads((root / "config.json").read_text())
+    for volatile in _VOLATILE:
+        config.pop(volatile, None)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name in _TOKENIZER_FILES:
+        path = root / name
+        if path.is_file():
+            digest.update(f"|{name}|".encode() + hashlib.sha256(path.read_bytes()).digest())
+    weights = sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    if not weights:
+        raise FileNotFoundError(f"no weight files in {root}")
+    for path in weights:
+        digest.update(f"|{path.name}|{path.stat().st_size}|".encode())
+        digest.update(_sample(path))
+    digest.update(f"|{dtype}|{FORMAT_VERSION}|{extra}".encode())
+    return digest.hexdigest()[:32]
+
+
+def _sample(path: Path) -> bytes:
+    size = path.stat().st_size
+    step = max(1, size // _SAMPLES)
+    out = bytearray()
+    with path.open("rb") as handle:
+        for offset in range(0, size, step)[:_SAMPLES]:
+            handle.seek(offset)
+            out += handle.read(_SAMPLE_BYTES)
+    return bytes(out)
+
+
+def connector_fingerprint(
+    model_fingerprint: str, precision: str, tp_rank: int = 0, tp_size: int = 1
+) -> str:
+    """The storage fingerprint of one worker's entries: the weights', the storage
+    precision and, under tensor parallelism, which share of the KV heads it holds.
+
+    Examples:
+        >>> connector_fingerprint("abc", "float16")
+        'abc+kv-float16'
+        >>> connector_fingerprint("abc", "float16", 1, 2)
+        'abc+tp1of2+kv-float16'
+    """
+    base = model_fingerprint if tp_size == 1 else f"{model_fingerprint}+tp{tp_rank}of{tp_size}"
+    return storage_fingerprint(base, precision)

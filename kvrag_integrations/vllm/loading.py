@@ -1,0 +1,162 @@
+"""How a ``VLLMEngine`` comes to be: vLLM started here, or a running server joined."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from kvrag_integrations.engine.caching.entries import DEFAULT_CHUNK_SUFFIX
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.engine.modeling.model import checkpoint_folder, eos_token_ids
+from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS
+from kvrag_integrations.store import DiskKVStore, KVStore
+from kvrag_integrations.vllm.config import DEFAULT_MEMORY_TIER_BYTES, transfer_config
+
+if TYPE_CHECKING:
+    from kvrag_integrations.vllm.engine import VLLMEngine
+
+CPU_MEMORY_SHARE = 0.25  # vLLM's gpu_memory_utilization on a CPU (override it by name)
+
+
+def from_pretrained(
+    cls: type[VLLMEngine],
+    model: str | os.PathLike | None = None,
+    *,
+    store: str | KVStore | None = None,
+    cache_precision: str = "float16",
+    dtype: str | None = None,
+    memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES,
+    cache_prefix: bool = True,
+    chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
+    on_miss: str = DEFAULT_ON_MISS,
+    **vllm_args: Any,
+) -> VLLMEngine:
+    """Start vLLM in this process with the connector, and wrap it.
+
+    Args:
+        model: HF id, local directory or ``.gguf`` file (None: the bundled
+            SmolLM2-135M-Instruct, converted once to a safetensors folder: vLLM
+            reads no GGUF).
+        store: where chunk caches live: a ``DiskKVStore``, or a URL (``disk:DIR``,
+            ``redis://host:port/db``). vLLM's scheduler and worker processes each
+            open it (a Redis store's signing secret: ``$KVRAG_STORE_SECRET``).
+            Default: a private temporary directory, removed when the process ends.
+        cache_precision: how entries are stored (as ``KVRAGEngine``'s).
+        dtype: vLLM's compute dtype (default: float32 on CPU, bfloat16 on CUDA).
+        memory_tier_bytes: the worker's in-memory tier in front of ``store``.
+        cache_prefix: reuse the prompt's leading text (as ``VLLMEngine``).
+        chunk_suffix: text stored after every chunk (as ``VLLMEngine``).
+        on_miss: what a request does about pieces not stored (as ``VLLMEngine``).
+        **vllm_args: more of vLLM's engine arguments (``max_model_len``,
+            ``tensor_parallel_size``, ``gpu_memory_utilization``, ...).
+
+    Raises:
+        UnsupportedModelError: an architecture reuse is not verified for (before
+            vLLM starts).
+    """
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kvrag_integrations.vllm.local import LocalBackend
+
+    folder, name = checkpoint_folder(model)
+    ModelLayout.of_config(AutoConfig.from_pretrained(folder))  # refused here, not in a worker
+    cuda = torch.cuda.is_available()
+    args: dict[str, Any] = {
+        "model": folder,
+        "tokenizer": folder,
+        "served_model_name": name,
+        "dtype": dtype or ("bfloat16" if cuda else "float32"),
+        "enable_prefix_caching": True,
+        "disable_log_stats": True,
+        "kv_transfer_config": _transfer(store, cache_precision, memory_tier_bytes),
+    }
+    if not cuda:
+        args["enforce_eager"] = True  # no graph capture on CPU: the fastest start and run
+        # On CPU this is the share of the host's memory vLLM reserves (its KV cache
+        # and the weights); vLLM's 0.92 leaves nothing for anyone else.
+        args["gpu_memory_utilization"] = CPU_MEMORY_SHARE
+    args.update(vllm_args)
+    from vllm.config import KVTransferConfig
+
+    args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    backend = LocalBackend(args, name)
+    return cls(
+        backend,
+        tokenizer,
+        cache_prefix=cache_prefix,
+        chunk_suffix=chunk_suffix,
+        on_miss=on_miss,
+        eos_token_ids=eos_token_ids(folder, tokenizer),
+    )
+
+
+def connect(
+    cls: type[VLLMEngine],
+    base_url: str,
+    *,
+    tokenizer: Any = None,
+    model: str | None = None,
+    api_key: str | None = None,
+    cache_prefix: bool = True,
+    chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
+    on_miss: str = DEFAULT_ON_MISS,
+    timeout: float = 600.0,
+) -> VLLMEngine:
+    """Join a running vLLM OpenAI server started with the connector.
+
+    Args:
+        base_url: e.g. ``"http://127.0.0.1:8000"``.
+        tokenizer: the served model's tokenizer, or its HF id or folder (prompts
+            are tokenized here, chunks intact). Default: the checkpoint the server
+            serves (its folder or HF id), where this machine can read it.
+        model: which served model (default: the server's first).
+        api_key: the server's ``--api-key``, if it has one.
+        cache_prefix: reuse the prompt's leading text (as ``VLLMEngine``).
+        chunk_suffix: text stored after every chunk (as ``VLLMEngine``).
+        on_miss: what a request does about pieces not stored (as ``VLLMEngine``).
+        timeout: seconds to wait for a connection or a piece of an answer.
+    """
+    from transformers import AutoTokenizer
+
+    from kvrag_integrations.vllm.remote import ServerBackend
+
+    backend = ServerBackend(base_url, model, api_key, timeout)
+    source = tokenizer if tokenizer is not None else backend.model_root
+    if isinstance(source, (str, os.PathLike)):
+        tok = AutoTokenizer.from_pretrained(source)
+        eos = eos_token_ids(source, tok)
+    else:
+        tok, eos = source, None
+    return cls(
+        backend,
+        tok,
+        cache_prefix=cache_prefix,
+        chunk_suffix=chunk_suffix,
+        on_miss=on_miss,
+        eos_token_ids=eos,
+    )
+
+
+def store_url(store: str | KVStore) -> str:
+    """The URL every vLLM process opens the store by."""
+    if isinstance(store, str):
+        return store
+    if isinstance(store, DiskKVStore):
+        return f"disk:{store.root.resolve()}"
+    raise TypeError(
+        f"the vLLM engine's store is opened by every vLLM process from a URL: pass a "
+        f"DiskKVStore or a URL (disk:DIR, redis://host:port/db), not a {type(store).__name__}"
+    )
+
+
+def _transfer(store: str | KVStore | None, precision: str, tier: int) -> dict[str, Any]:
+    if store is None:
+        folder = tempfile.mkdtemp(prefix="kvrag-vllm-")
+        atexit.register(shutil.rmtree, folder, True)
+        store = f"disk:{folder}"
+    return transfer_config(store_url(store), cache_precision=precision, memory_tier_bytes=tier)

@@ -1,0 +1,146 @@
+"""vLLM in this process: ``AsyncLLM`` on an event loop of its own, fed from any thread.
+
+vLLM batches whatever requests are in flight (continuous batching), so the
+engine is asynchronous: each request is a coroutine on the backend's loop
+thread, and the caller's thread (a stream's worker) reads its outputs from a
+queue, as with the in-process engine. Cancelling aborts the request in vLLM.
+vLLM starts its engine core in a subprocess: scripts that create one need the
+``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.params import Reply
+
+_DONE = object()
+_IDS = itertools.count()
+
+
+class LocalBackend:
+    """An ``AsyncLLM`` serving ``BackendRequest``s (see ``backend.Backend``).
+
+    Args:
+        engine_args: ``vllm.AsyncEngineArgs`` keyword arguments (``model``,
+            ``dtype``, ``kv_transfer_config``, ...).
+        name: the model name reported to the adapters.
+    """
+
+    def __init__(self, engine_args: dict[str, Any], name: str) -> None:
+        if not _has_cuda():
+            # vLLM's CPU backend keeps cores for itself unless told; on a small
+            # machine every core serving the model is fastest (issue 34's setup).
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        self.model_name = name
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvrag-vllm-loop", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._engine = self._call(_start(engine_args))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.context_window = int(self._engine.model_config.max_model_len)
+
+    def _call(self, coroutine: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def submit(self, request: BackendRequest, cancel: threading.Event) -> Iterator[BackendEvent]:
+        """Run ``request`` on the loop; yield its events as they come."""
+        out: queue.Queue[Any] = queue.Queue()
+        request_id = f"kvrag-{next(_IDS)}"
+        future = asyncio.run_coroutine_threadsafe(self._run(request, request_id, out), self._loop)
+        try:
+            while True:
+                try:
+                    item = out.get(timeout=0.05)
+                except queue.Empty:
+                    if cancel.is_set():
+                        future.cancel()  # the generator's close aborts it in vLLM
+                        return
+                    continue
+                if item is _DONE:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not future.done():
+                future.cancel()
+
+    async def _run(self, request: BackendRequest, request_id: str, out: queue.Queue) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {"kv_transfer_params": request.params} if request.params else None
+        params = SamplingParams(
+            **request.sampling,
+            logprobs=request.logprobs,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra,
+        )
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
+        if request.salt is not None:
+            prompt["cache_salt"] = request.salt
+        first = True
+        try:
+            async for output in self._engine.generate(prompt, params, request_id):
+                out.put(_event(output, first))
+                first = False
+        except Exception as exc:  # raised again on the caller's thread, same type
+            out.put(exc)
+        finally:
+            out.put(_DONE)
+
+    def close(self) -> None:
+        """Shut vLLM down (its engine core process too) and stop the loop."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            self._engine = None
+            with contextlib.suppress(Exception):
+                engine.shutdown()
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+
+async def _start(engine_args: dict[str, Any]) -> Any:
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+
+
+def _event(output: Any, first: bool) -> BackendEvent:
+    completion = output.outputs[0]
+    event = BackendEvent(
+        text=completion.text,
+        token_ids=list(completion.token_ids),
+        cached_tokens=output.num_cached_tokens,
+        finish_reason=completion.finish_reason,
+    )
+    if output.finished:
+        event.reply = Reply.from_output(output.kv_transfer_params)
+    if first and completion.logprobs:
+        event.logprobs = {int(i): float(lp.logprob) for i, lp in completion.logprobs[0].items()}
+    return event
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

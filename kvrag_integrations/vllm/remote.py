@@ -1,0 +1,158 @@
+"""A running vLLM OpenAI server (started with the connector), over HTTP.
+
+Requests go to ``/v1/completions`` with the prompt as token ids (the engine
+tokenized it, chunks intact) and vLLM's extensions: ``cache_salt``,
+``kv_transfer_params``, ``return_token_ids`` and token-id logprobs. Answers
+stream as server-sent events; the last one carries the usage, whose
+``prompt_tokens_details.cached_tokens`` (the server started with
+``--enable-prompt-tokens-details``) is vLLM's own count of prompt tokens it did
+not compute. Chunk encoding is not streamed: its response carries the
+connector's reply (the entry keys). Closing a stream closes its connection,
+which aborts the request in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.params import Reply
+
+
+class ServerError(RuntimeError):
+    """The vLLM server refused a request or could not be reached (its message included)."""
+
+
+class ServerBackend:
+    """The client of one vLLM OpenAI server (see ``backend.Backend``).
+
+    Args:
+        base_url: the server, e.g. ``"http://127.0.0.1:8000"`` (``/v1`` is added).
+        model: the served model's name (default: the server's first model).
+        api_key: sent as a bearer token when the server was started with one.
+        timeout: seconds to wait for a connection or a piece of an answer.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        root = base_url.rstrip("/").removesuffix("/v1")
+        self._client = httpx.Client(base_url=f"{root}/v1", headers=headers, timeout=timeout)
+        try:
+            models = self._client.get("/models")
+            models.raise_for_status()
+        except httpx.HTTPError as exc:
+            self._client.close()
+            raise ServerError(f"cannot reach the vLLM server at {root}: {exc}") from exc
+        served = models.json().get("data", [])
+        info = next((m for m in served if model is None or m.get("id") == model), None)
+        if info is None:
+            self._client.close()
+            names = [m.get("id") for m in served]
+            raise ServerError(f"the server at {root} serves {names}, not {model!r}")
+        self.model_name = str(info["id"])
+        self.model_root = str(info.get("root") or info["id"])  # the checkpoint it serves
+        self.context_window = int(info.get("max_model_len") or 2048)
+
+    def submit(self, request: BackendRequest, cancel: threading.Event) -> Iterator[BackendEvent]:
+        """Stream one request (or answer it whole: ``request.stream`` false)."""
+        body = self._body(request)
+        if not request.stream:
+            yield self._whole(body)
+            return
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        try:
+            with self._client.stream("POST", "/completions", json=body) as response:
+                _raise_for(response)
+                first = True
+                for line in response.iter_lines():
+                    if cancel.is_set():
+                        return  # leaving the block closes the connection: vLLM aborts
+                    event = _sse_event(line, first)
+                    if event is not None:
+                        first = first and not event.token_ids
+                        yield event
+        except httpx.HTTPError as exc:
+            raise ServerError(f"the vLLM server failed the request: {exc}") from exc
+
+    def _whole(self, body: dict[str, Any]) -> BackendEvent:
+        try:
+            response = self._client.post("/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise ServerError(f"the vLLM server failed the request: {exc}") from exc
+        _raise_for(response)
+        data = response.json()
+        choice = data["choices"][0]
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        return BackendEvent(
+            text=choice.get("text") or "",
+            token_ids=list(choice.get("token_ids") or []),
+            cached_tokens=details.get("cached_tokens"),
+            finish_reason=choice.get("finish_reason"),
+            reply=Reply.from_output(data.get("kv_transfer_params")),
+        )
+
+    def _body(self, request: BackendRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "prompt": list(request.prompt_ids),
+            "return_token_ids": True,
+            **{k: v for k, v in request.sampling.items() if v is not None},
+        }
+        if request.salt is not None:
+            body["cache_salt"] = request.salt
+        if request.params:
+            body["kv_transfer_params"] = request.params
+        if request.logprobs:
+            body["logprobs"] = request.logprobs
+            body["return_tokens_as_token_ids"] = True
+        return body
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        response.read()
+        raise ServerError(f"the vLLM server answered {response.status_code}: {response.text}")
+
+
+def _sse_event(line: str, first: bool) -> BackendEvent | None:
+    """One server-sent event as a ``BackendEvent`` (None: not an event of ours)."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:") :].strip()
+    if payload == "[DONE]":
+        return None
+    data = json.loads(payload)
+    event = BackendEvent()
+    usage = data.get("usage")
+    if usage:
+        details = usage.get("prompt_tokens_details") or {}
+        event.cached_tokens = details.get("cached_tokens")
+    for choice in data.get("choices") or []:
+        event.text += choice.get("text") or ""
+        event.token_ids += list(choice.get("token_ids") or [])
+        event.finish_reason = choice.get("finish_reason") or event.finish_reason
+        logprobs = choice.get("logprobs") or {}
+        top = logprobs.get("top_logprobs") or []
+        if first and top:
+            event.logprobs = {_token_id(t): float(lp) for t, lp in top[0].items()}
+    return event
+
+
+def _token_id(token: str) -> int:
+    """``"token_id:123"`` (``return_tokens_as_token_ids``) -> 123."""
+    return int(token.rsplit(":", 1)[-1])

@@ -1,0 +1,220 @@
+"""The connector in vLLM's scheduler: what a request can load, and what to save when.
+
+It reads a request's ``TransferParams`` (see ``params``), checks which of its
+pieces are stored (the store's ``contains``: a file's existence, a Redis
+``EXISTS``; never the entry itself, which the worker verifies when it reads
+it), and tells the scheduler how many leading prompt tokens the workers will
+write: the longest stored prefix of the load run, at most all but the last
+prompt token (vLLM computes at least one). Each step it hands the workers
+what to load into the blocks just allocated, and what to save once a prompt
+that carries ``save`` pieces has been prefilled (a long one may arrive over
+several steps: chunked prefill).
+
+An encode request for an entry that is stored already saves nothing: its
+prompt loads from the entry (exact: same tokens at the same positions) and
+vLLM computes one token, so encoding what is stored costs a one-token step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrag_integrations.chunk_kv import cache_key
+from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams, TransferParamsError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PieceOp:
+    """One piece for the workers: its prompt span and its entry's ids (each worker
+    derives its own key from them: ranks of a tensor-parallel group key apart)."""
+
+    start: int
+    rows: int
+    entry_ids: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+
+@dataclass(frozen=True)
+class LoadOp:
+    """Write prompt positions ``lo .. hi`` of a request from its pieces."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    lo: int
+    hi: int
+    pieces: tuple[PieceOp, ...]
+
+
+@dataclass(frozen=True)
+class SaveOp:
+    """Store each piece of a request's prompt (prefilled by now) as an entry."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    pieces: tuple[PieceOp, ...]
+
+
+@dataclass
+class StepOps:
+    """A step's work for the workers (vLLM hands it to them as connector metadata)."""
+
+    loads: list[LoadOp] = field(default_factory=list)
+    saves: list[SaveOp] = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    """One request's transfers, from its first lookup to its end."""
+
+    params: TransferParams
+    prompt: tuple[int, ...]
+    load: tuple[PieceSpec, ...]  # the load run, or the stored save pieces read back
+    saves: tuple[PieceSpec, ...]  # the save pieces still to store
+    keys: list[str]  # every save piece's key, in order
+    until: int | None = None  # the end of the stored prefix of ``load`` (checked once)
+    pending: int = 0  # external tokens allocated, not handed to the workers yet
+    loaded: int = 0
+    load_hi: int = 0  # where the last load handed to the workers ends
+    recomputed: int = 0
+    saved: bool = False
+
+
+class SchedulerSide:
+    """Lookups and per-step transfer plans (one per scheduler).
+
+    Args:
+        fingerprints: the storage fingerprint of each worker rank (one per
+            tensor-parallel rank): a piece counts as stored when every rank's
+            entry exists.
+        contains: the store's existence check.
+        block_ids: ``request_id -> block ids`` (vLLM's KV cache manager's).
+    """
+
+    def __init__(
+        self,
+        fingerprints: Sequence[str],
+        contains: Callable[[str], bool],
+        block_ids: Callable[[str], Sequence[int]],
+    ) -> None:
+        self.fingerprints = list(fingerprints)
+        self.contains = contains
+        self.block_ids = block_ids
+        self.plans: dict[str, _Plan] = {}
+
+    # -------------------------------------------------------------- lookup
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Prompt tokens beyond ``num_computed_tokens`` the workers will write."""
+        plan = self._plan(request)
+        if plan is None or not plan.load:
+            return 0
+        if plan.until is None:
+            plan.until = self._stored_end(plan)
+        limit = min(plan.until, len(plan.prompt) - 1)  # vLLM computes at least one token
+        return max(0, limit - num_computed_tokens)
+
+    def allocated(self, request: Any, num_external_tokens: int) -> None:
+        """Blocks are allocated for ``num_external_tokens`` external tokens."""
+        plan = self.plans.get(request.request_id)
+        if plan is not None and num_external_tokens > 0:
+            plan.pending = num_external_tokens
+
+    def _plan(self, request: Any) -> _Plan | None:
+        plan = self.plans.get(request.request_id)
+        if plan is not None:
+            return plan
+        try:
+            params = TransferParams.from_request(request.kv_transfer_params)
+            if params is None:
+                return None
+            prompt = tuple(request.prompt_token_ids or ())
+            params.check_prompt(len(prompt))
+        except TransferParamsError as exc:
+            logger.warning("request %s: kv_transfer_params ignored (%s)", request.request_id, exc)
+            return None
+        keys = [self._key(p.entry_ids(prompt)) for p in params.save]
+        load, saves = params.load, params.save
+        if saves and not params.overwrite and all(self._stored(p.entry_ids(prompt)) for p in saves):
+            # Stored already: read back instead of saving (a one-token step).
+            load, saves = (saves[0],) if saves[0].start == 0 and len(saves) == 1 else (), ()
+        plan = _Plan(params, prompt, load, saves, keys)
+        self.plans[request.request_id] = plan
+        return plan
+
+    def _key(self, entry_ids: Sequence[int], rank: int = 0) -> str:
+        return cache_key(self.fingerprints[rank], list(entry_ids))
+
+    def _stored(self, entry_ids: Sequence[int]) -> bool:
+        return all(self.contains(self._key(entry_ids, r)) for r in range(len(self.fingerprints)))
+
+    def _stored_end(self, plan: _Plan) -> int:
+        end = 0
+        for piece in plan.load:
+            if not self._stored(piece.entry_ids(plan.prompt)):
+                break
+            end = piece.end
+        return end
+
+    # ---------------------------------------------------------------- steps
+    def step(self, scheduled: Sequence[tuple[str, int, int]]) -> StepOps:
+        """The workers' transfers for one step.
+
+        Args:
+            scheduled: ``(request_id, num_computed_tokens, num_scheduled_tokens)``
+                of every request in the step (computed tokens counting the
+                external ones just allocated).
+        """
+        ops = StepOps()
+        for request_id, computed, count in scheduled:
+            plan = self.plans.get(request_id)
+            if plan is None:
+                continue
+            if plan.pending:
+                lo, hi = computed - plan.pending, computed
+                pieces = _overlapping(plan.load, plan.prompt, lo, hi)
+                ops.loads.append(LoadOp(request_id, self._blocks(request_id), lo, hi, pieces))
+                plan.loaded, plan.pending, plan.load_hi = plan.loaded + (hi - lo), 0, hi
+            if plan.saves and not plan.saved and computed + count >= len(plan.prompt):
+                pieces = _overlapping(plan.saves, plan.prompt, 0, len(plan.prompt))
+                ops.saves.append(SaveOp(request_id, self._blocks(request_id), pieces))
+                plan.saved = True
+        return ops
+
+    def load_failed(self, request_id: str, position: int) -> None:
+        """A worker could not load the request from ``position`` on (vLLM
+        recomputes from there): those tokens were not reused."""
+        plan = self.plans.get(request_id)
+        if plan is not None and position < plan.load_hi:
+            lost = plan.load_hi - position
+            plan.loaded, plan.recomputed = plan.loaded - lost, plan.recomputed + lost
+            plan.load_hi = position
+
+    def _blocks(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self.block_ids(request_id))
+
+    def finished(self, request_id: str) -> Reply:
+        """Forget a request; what its output reports."""
+        plan = self.plans.pop(request_id, None)
+        reply = Reply(self.fingerprints[0])
+        if plan is not None:
+            reply.loaded, reply.recomputed = plan.loaded, plan.recomputed
+            reply.keys = plan.keys
+            reply.stored = len(plan.saves) if plan.saved else 0
+        return reply
+
+
+def _overlapping(
+    pieces: Sequence[PieceSpec], prompt: Sequence[int], lo: int, hi: int
+) -> tuple[PieceOp, ...]:
+    return tuple(
+        PieceOp(p.start, p.rows, tuple(p.entry_ids(prompt)))
+        for p in pieces
+        if p.start < hi and p.end > lo
+    )

@@ -1,0 +1,202 @@
+"""The connector in a vLLM worker: stored pieces into the paged cache, prefilled ones out.
+
+Loading (before the step's forward): each piece's entry is read and verified by
+the store (integrity code, key, fingerprint), checked against this worker's
+layout (layers, KV heads, head size), cast to the cache's dtype, its keys moved
+from position 0 to the piece's start (``RotaryShift``, the same rotation the
+in-process engine applies), and written per layer with the attention backend's
+own write op. A piece that cannot be loaded (missing since the lookup, corrupt,
+foreign, another shape) is a miss: its blocks and every later one of the
+request are reported as failed loads, and vLLM recomputes them
+(``kv_load_failure_policy="recompute"``). Nothing of it reaches the cache as
+if it were valid.
+
+Saving (after the step's forward): the piece's K/V are read back out of the
+blocks (``PagedLayout``), stored in the configured precision under the key of
+its ids. A failed write is logged; the piece is then a miss for later requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvrag_integrations.chunk_kv import ChunkKV, cache_key
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.errors import StoreWriteError
+from kvrag_integrations.store import KVStore
+from kvrag_integrations.vllm.paged import PagedLayout, write
+from kvrag_integrations.vllm.scheduler_side import LoadOp, PieceOp, SaveOp
+
+logger = logging.getLogger(__name__)
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer of an attention layer's name (``model.layers.3.self_attn.attn``)."""
+    match = _LAYER_INDEX.search(name)
+    if match is None:
+        raise ValueError(f"cannot tell the decoder layer of {name!r}")
+    return int(match.group(1))
+
+
+class WorkerSide:
+    """Loads and saves one worker's share of the KV cache.
+
+    Args:
+        store: where entries live (the worker's tier in front of the shared store).
+        fingerprint: this worker's storage fingerprint (its rank's heads).
+        precision: how saved entries are stored.
+        layout: the model's layout (layers, KV heads per rank, head size, rotary).
+    """
+
+    def __init__(self, store: KVStore, fingerprint: str, precision: str, layout: ModelLayout):
+        self.store = store
+        self.fingerprint = fingerprint
+        self.precision = precision
+        self.layout = layout
+        self.caches: dict[int, torch.Tensor] = {}  # decoder layer -> its paged cache
+        self.layers: dict[int, Any] = {}  # decoder layer -> vLLM's attention layer
+        self.paged: PagedLayout | None = None
+        self.failed_blocks: set[int] = set()
+        self.failed_loads: dict[str, int] = {}  # request -> where vLLM recomputes from
+        self.scheduler_block_size = 0  # vLLM's cache config block size (the connector sets it)
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor], attention: Mapping[str, Any]) -> None:
+        """Note each layer's paged cache and attention layer (by decoder layer)."""
+        for name, cache in kv_caches.items():
+            index = layer_index(name)
+            self.caches[index] = cache
+            self.layers[index] = attention[name]
+        if sorted(self.caches) != list(range(self.layout.num_layers)):
+            raise ValueError(
+                f"the model has {self.layout.num_layers} layers, vLLM's cache "
+                f"{len(self.caches)}: the connector cannot place entries"
+            )
+
+    def _paged(self) -> PagedLayout:
+        # Probed at first use: the backend sets up its layers after the caches exist.
+        if self.paged is None:
+            self.paged = PagedLayout.probe(self.layers[0], self.caches[0], self.layout.head_dim)
+        return self.paged
+
+    def slots(self, block_ids: Sequence[int], lo: int, hi: int) -> torch.Tensor:
+        """The cache slots of prompt positions ``lo .. hi`` (in scheduler blocks of
+        ``scheduler_block_size`` tokens; kernel blocks split them in order)."""
+        positions = torch.arange(lo, hi)
+        blocks = torch.as_tensor(list(block_ids), dtype=torch.long)
+        size = self.scheduler_block_size
+        return blocks[positions // size] * size + positions % size
+
+    # ---------------------------------------------------------------- load
+    def load(self, op: LoadOp) -> int:
+        """Write ``op``'s positions; return how many were written.
+
+        From the first piece that cannot be read on, the request's blocks are
+        reported as failed loads (vLLM recomputes them); so is the whole op if
+        writing fails midway (an error here must not stop the engine).
+        """
+        ready: list[tuple[PieceOp, ChunkKV]] = []
+        failed_at: int | None = None
+        for piece in op.pieces:
+            kv = self._entry(piece)
+            if kv is None:
+                failed_at = max(piece.start, op.lo)
+                break
+            ready.append((piece, kv))
+        hi = op.hi if failed_at is None else failed_at
+        try:
+            if hi > op.lo:
+                self._write(op, ready, hi)
+        except Exception:
+            logger.exception("loading request %s failed; its blocks are recomputed", op.request_id)
+            failed_at = op.lo
+        if failed_at is None:
+            return op.hi - op.lo
+        size = self.scheduler_block_size
+        first = failed_at // size  # vLLM recomputes from this block's first token
+        self.failed_blocks.update(op.block_ids[first : -(-op.hi // size)])
+        self.failed_loads[op.request_id] = min(
+            first * size, self.failed_loads.get(op.request_id, op.hi)
+        )
+        return max(0, first * size - op.lo)
+
+    def _entry(self, piece: PieceOp) -> ChunkKV | None:
+        key = cache_key(self.fingerprint, list(piece.entry_ids))
+        try:
+            kv = self.store.get(key, self.fingerprint)  # verified; a bad entry is a miss
+        except Exception as exc:  # a store that cannot be reached: a miss
+            logger.warning("entry %s not read (%s); recomputed", key[:16], exc)
+            return None
+        if kv is None:
+            logger.info("entry %s missing; recomputed", key[:16])
+            return None
+        layers, heads, n, dim = kv.keys.shape
+        lay = self.layout
+        if (layers, heads, dim) != (lay.num_layers, lay.kv_heads, lay.head_dim) or n < piece.rows:
+            # Under this model's key, yet not its shape: never usable; dropped so
+            # that it is encoded again (as the in-process engine's lookup does).
+            logger.warning("entry %s has another shape %s; recomputed", key[:16], kv.keys.shape)
+            self.store.delete(key)
+            return None
+        return kv
+
+    def _write(self, op: LoadOp, ready: list[tuple[PieceOp, ChunkKV]], hi: int) -> None:
+        """Per layer: the rows of every piece in ``lo .. hi``, keys moved, one write."""
+        lo = op.lo
+        rows, deltas = [], []
+        for piece, kv in ready:
+            first, last = max(lo, piece.start) - piece.start, min(hi, piece.end) - piece.start
+            if last > first:
+                # float32 while keys move (as the in-process engine's assembly does)
+                rows.append((kv.to("cpu", torch.float32), first, last))
+                deltas.append(torch.full((last - first,), piece.start, dtype=torch.long))
+        delta = torch.cat(deltas)
+        slots = self.slots(op.block_ids, lo, hi)
+        rotations = {kind: rot.rotation(delta, "cpu") for kind, rot in self.layout.rotary.items()}
+        for index, cache in self.caches.items():
+            keys = torch.cat([kv.keys[index, :, a:b] for kv, a, b in rows], dim=1)
+            values = torch.cat([kv.values[index, :, a:b] for kv, a, b in rows], dim=1)
+            cos, sin = rotations[self.layout.layer_types[index]]
+            keys = self.layout.rotary_of(index).rotate(keys, cos, sin, keys)
+            write(self.layers[index], cache, slots, keys.transpose(0, 1), values.transpose(0, 1))
+
+    # ---------------------------------------------------------------- save
+    def save(self, op: SaveOp) -> int:
+        """Store each piece of ``op`` from its blocks; return how many were stored
+        (a piece that fails is logged and left a miss)."""
+        stored = 0
+        for piece in op.pieces:
+            try:
+                kv = self._read(op, piece)
+                self.store.put(kv.stored_as(self.precision))
+                stored += 1
+            except StoreWriteError as exc:
+                logger.warning("request %s: entry not stored (%s)", op.request_id, exc)
+            except Exception:
+                logger.exception("request %s: entry not stored", op.request_id)
+        return stored
+
+    def _read(self, op: SaveOp, piece: PieceOp) -> ChunkKV:
+        paged = self._paged()
+        slots = self.slots(op.block_ids, piece.start, piece.end)
+        keys, values = [], []
+        for index in range(self.layout.num_layers):
+            k, v = paged.read(self.caches[index], slots)
+            keys.append(k.transpose(0, 1))
+            values.append(v.transpose(0, 1))
+        ids = torch.tensor(piece.entry_ids, dtype=torch.long)
+        return ChunkKV(ids, torch.stack(keys), torch.stack(values), self.fingerprint)
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+    def take_failed_loads(self) -> dict[str, int]:
+        failed, self.failed_loads = self.failed_loads, {}
+        return failed

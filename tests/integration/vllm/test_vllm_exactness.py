@@ -1,0 +1,137 @@
+"""Correct before fast: the connector's reuse against vLLM's own prefill and against
+the in-process engine's turbo on the same model (float32, entries at model precision)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from vllm_helpers import Corpus, exact_reference, logprobs_of, max_logprob_gap, send
+
+from kvrag_integrations import Chunk, KVRAGEngine, Text
+from kvrag_integrations.chunk_kv import ChunkKV, cache_key
+from kvrag_integrations.engine.prompting.segments import cache_leading_text
+from kvrag_integrations.store.codec import encode_entry
+from kvrag_integrations.vllm.engine import VLLMEngine, load_run
+from kvrag_integrations.vllm.params import TransferParams
+
+
+def test_one_chunk_at_position_zero_equals_vllms_own_prefill(
+    vllm_engine: VLLMEngine, musique: Corpus
+) -> None:
+    item = musique.item(0)
+    (chunk,) = musique.chunks(0, 1)
+    segments = [Chunk(chunk), Text(f"\n\nQuestion: {item.question}\nAnswer:")]
+    (ref,) = vllm_engine.encode_chunks([chunk], show_progress=False)
+    turbo = vllm_engine.generate(
+        segments=segments, chat_template=False, max_new_tokens=32, logprobs=20
+    )
+    ids = vllm_engine.tokenize(segments).input_ids.tolist()
+    tokens, first, _ = exact_reference(vllm_engine, ids)
+    assert turbo.reused_tokens >= ref.num_tokens  # the chunk came from the store
+    assert turbo.token_ids == tokens
+    assert max_logprob_gap(turbo.first_token_logprobs, first) < 1e-4
+
+
+def test_multi_chunk_turbo_agrees_with_the_in_process_turbo(
+    vllm_engine: VLLMEngine, engine: KVRAGEngine, musique: Corpus
+) -> None:
+    """10 questions, two passages each asked in the other order: the same prompt
+    tokens, the first token's top-20 log-probabilities within 1e-3, and the same
+    32 greedy tokens on at least 9 of 10."""
+    same, gaps = 0, []
+    for i in range(10):
+        item, chunks = musique.item(i), musique.chunks(i, 2, tag=f"agree-{i}")
+        vllm_engine.encode_chunks(chunks, show_progress=False)
+        engine.encode_chunks(chunks, show_progress=False)
+        asked = dict(question=item.question, chunks=chunks[::-1], max_new_tokens=32)
+        ours = vllm_engine.generate(**asked, logprobs=20)
+        theirs = engine.generate(**asked, strategy="turbo")
+        assert ours.prompt_tokens == theirs.prompt_tokens
+        assert ours.reused_tokens >= theirs.reused_tokens  # every stored piece was read
+        want = logprobs_of(theirs.first_token_logits, list(ours.first_token_logprobs))
+        gaps.append(max_logprob_gap(ours.first_token_logprobs, want))
+        same += ours.token_ids == theirs.token_ids
+    assert max(gaps) < 1e-3, gaps
+    assert same >= 9
+
+
+def test_approximate_blocks_never_serve_an_exact_request(
+    vllm_engine: VLLMEngine, musique: Corpus
+) -> None:
+    """After a turbo request over A, B, the same tokens asked exactly (``full``)
+    equal a fresh computation: vLLM's prefix cache keeps turbo's blocks under
+    their salt."""
+    item, chunks = musique.item(11), musique.chunks(11, 2, tag="exact")
+    vllm_engine.encode_chunks(chunks, show_progress=False)
+    asked = dict(question=item.question, chunks=chunks, max_new_tokens=24)
+    ids = vllm_engine.tokenize(vllm_engine.build_segments(question=item.question, chunks=chunks))
+    tokens, first, _ = exact_reference(vllm_engine, ids.input_ids.tolist(), 24)
+    turbo = vllm_engine.generate(**asked)
+    assert turbo.reused_chunks == 2 and turbo.fallback is None
+    full = vllm_engine.generate(**asked, strategy="full", logprobs=20)
+    assert full.reused_tokens < 128  # no turbo block (at most a block of exact text)
+    assert full.token_ids == tokens
+    assert max_logprob_gap(full.first_token_logprobs, first) < 1e-5
+
+
+def test_without_the_salt_an_exact_request_would_be_served_turbo_blocks(
+    vllm_engine: VLLMEngine, musique: Corpus
+) -> None:
+    """What the salt prevents (so the test above can fail): the same turbo layout
+    sent unsalted leaves its approximate blocks where a plain request finds them."""
+    item, chunks = musique.item(12), musique.chunks(12, 2, tag="unsalted")
+    vllm_engine.encode_chunks(chunks, show_progress=False)
+    vllm_engine.generate(question=item.question, chunks=chunks, max_new_tokens=1)  # leading text
+    prompt = vllm_engine.tokenize(vllm_engine.build_segments(question=item.question, chunks=chunks))
+    ids = prompt.input_ids.tolist()
+    _, fresh_first, _ = exact_reference(vllm_engine, ids, 8)
+    run = load_run(vllm_engine.prompts, cache_leading_text(prompt))
+    send(vllm_engine, ids, salt=None, params=TransferParams(load=run).as_request())
+    _, poisoned_first, cached = exact_reference(vllm_engine, ids, 8, salt=None)
+    assert cached > 0.9 * len(ids)  # served the approximate blocks
+    assert max_logprob_gap(poisoned_first, fresh_first) > 1e-3
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "foreign", "other-shape", "missing"])
+def test_a_bad_entry_is_a_miss_computed_never_injected(
+    vllm_engine: VLLMEngine, vllm_store: Path, musique: Corpus, fault: str
+) -> None:
+    """An entry the lookup finds but the worker must refuse (written straight to the
+    disk store, past the worker's memory tier): a checksum that fails, another
+    model's entry under our key, an intact entry of another shape; or none at all.
+    The piece is computed by vLLM: the answer is exactly full prefill's, and the
+    result says nothing was reused."""
+    item = musique.item(20)
+    (chunk,) = musique.chunks(20, 1, tag=fault)
+    fingerprint = vllm_engine.fingerprint
+    entry = vllm_engine.prompts.chunk(chunk)[1]
+    key = cache_key(fingerprint, entry)
+    layers, heads, dim = (2, 3, 64) if fault == "other-shape" else (30, 3, 64)
+    shape = (layers, heads, entry.numel(), dim)
+    forged = ChunkKV(entry, torch.randn(shape), torch.randn(shape), fingerprint)
+    if fault == "foreign":
+        other = ChunkKV(entry, forged.keys, forged.values, "another-model+kv-model")
+        blob = bytearray(encode_entry(other))
+    else:
+        blob = bytearray(encode_entry(forged))
+    if fault == "corrupt":
+        blob[len(blob) // 2] ^= 0xFF
+    path = vllm_store / key[:2] / f"{key}.safetensors"
+    if fault != "missing":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(blob))
+    segments = [Chunk(chunk), Text(f"\n\nQuestion: {item.question}\nAnswer:")]
+    ids = vllm_engine.tokenize(segments).input_ids.tolist()
+    tokens, first, _ = exact_reference(vllm_engine, ids)
+    got = vllm_engine.generate(
+        segments=segments, chat_template=False, max_new_tokens=32, logprobs=20
+    )
+    assert got.token_ids == tokens
+    assert max_logprob_gap(got.first_token_logprobs, first) < 1e-4
+    assert got.reused_tokens < 128 and got.reused_chunks == 0  # none of the bad entry
+    assert got.fallback == "uncached" and got.deferred_chunks == 1  # encoded again
+    assert vllm_engine.wait_for_encoding(timeout=300)
+    again = vllm_engine.generate(segments=segments, chat_template=False, max_new_tokens=1)
+    assert again.reused_chunks == 1

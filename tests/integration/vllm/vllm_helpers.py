@@ -1,0 +1,123 @@
+"""What the vLLM tests compare (exact references, log-probability distances) and the
+servers they start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import torch
+
+from kvrag_integrations.bench.common import RagItem
+from kvrag_integrations.engine.modeling.sampling import SamplingParams
+from kvrag_integrations.vllm.backend import BackendRequest, sampling_args
+from kvrag_integrations.vllm.engine import VLLMEngine
+
+TOP = 20  # log-probabilities compared per first token
+
+
+def exact_reference(
+    engine: VLLMEngine, ids: list[int], max_new_tokens: int = 32, salt: str | None = "fresh"
+) -> tuple[list[int], dict[int, float], int]:
+    """vLLM's own answer to ``ids``: greedy tokens, first-token top log-probabilities
+    and its cached-token count. A salt of its own (default) keeps every block any
+    earlier request cached out of it: computed afresh, as a new vLLM would."""
+    params = sampling_args(SamplingParams(max_new_tokens=max_new_tokens), engine.eos_token_ids)
+    if salt == "fresh":
+        salt = f"reference-{uuid.uuid4().hex}"
+    request = BackendRequest(ids, params, salt, None, TOP)
+    tokens: list[int] = []
+    first: dict[int, float] = {}
+    cached = 0
+    for event in engine.backend.submit(request, threading.Event()):
+        tokens += event.token_ids
+        first = first or (event.logprobs or {})
+        cached = event.cached_tokens if event.cached_tokens is not None else cached
+    if tokens and tokens[-1] in engine.eos_token_ids:
+        tokens.pop()  # as the engines report answers: without their end token
+    return tokens, first, cached
+
+
+def send(
+    engine: VLLMEngine,
+    ids: list[int],
+    *,
+    salt: str | None,
+    params: dict | None = None,
+    max_new_tokens: int = 1,
+) -> list:
+    """One request straight to the engine's vLLM (no engine logic): its events."""
+    sampling = sampling_args(SamplingParams(max_new_tokens=max_new_tokens), engine.eos_token_ids)
+    request = BackendRequest(ids, sampling, salt, params, TOP)
+    return list(engine.backend.submit(request, threading.Event()))
+
+
+def max_logprob_gap(got: dict[int, float], want: dict[int, float]) -> float:
+    """The largest |difference| over the tokens both top lists hold (most of them)."""
+    common = got.keys() & want.keys()
+    assert len(common) >= TOP // 2, f"the top-{TOP} lists share only {len(common)} tokens"
+    return max(abs(got[i] - want[i]) for i in common)
+
+
+def logprobs_of(logits: torch.Tensor, ids: list[int]) -> dict[int, float]:
+    """Log-probabilities of ``ids`` under the in-process engine's first-token logits."""
+    lp = torch.log_softmax(logits.float().reshape(-1), dim=-1)
+    return {i: float(lp[i]) for i in ids}
+
+
+class VLLMServer:
+    """``python -m kvrag_integrations.vllm.serve`` on a free port, until stopped."""
+
+    def __init__(self, store: str, workdir: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = workdir / f"vllm-{port}.log"
+        args = [sys.executable, "-m", "kvrag_integrations.vllm.serve", "--store", store]
+        args += ["--port", str(port), "--max-model-len", "4096"]
+        args += ["--gpu-memory-utilization", "0.12"]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 300.0) -> VLLMServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vLLM server did not start:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class Corpus:
+    """Questions with their passages: MuSiQue where the shared evaluation data is
+    beside the checkout, else the bundled sample corpus. ``item(i)`` wraps around;
+    ``chunks(i, n, tag)`` are passages of item ``i`` marked with ``tag``, so each
+    test that needs chunks never encoded before gets texts of its own."""
+
+    def __init__(self, items: list[RagItem]) -> None:
+        self.items = items
+
+    def item(self, i: int) -> RagItem:
+        return self.items[i % len(self.items)]
+
+    def chunks(self, i: int, n: int, tag: str = "") -> list[str]:
+        passages = self.item(i).chunks
+        picked = [passages[k % len(passages)] for k in range(n)]
+        return [f"({tag}) {text}" if tag else text for text in picked]

@@ -1,0 +1,108 @@
+"""The connector's scheduler side: what a request may load, and what to save when.
+
+Its logic without vLLM: requests are what vLLM hands it (id, prompt ids,
+``kv_transfer_params``), the store is a set of keys. The vLLM lane runs the
+same code inside vLLM (tests/integration/vllm).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvrag_integrations.chunk_kv import cache_key
+from kvrag_integrations.vllm.params import PieceSpec, TransferParams
+from kvrag_integrations.vllm.scheduler_side import SchedulerSide
+
+FP = "fp+kv-float16"
+PROMPT = list(range(100, 400))  # 300 tokens
+RUN = (PieceSpec(0, 20), PieceSpec(20, 100, (7,)), PieceSpec(120, 150))  # then 30 of text
+
+
+def request(rid: str, params: TransferParams, prompt: list[int] = PROMPT) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, prompt_token_ids=prompt, kv_transfer_params=params.as_request()
+    )
+
+
+def side(stored: set[str], fingerprints: tuple[str, ...] = (FP,)) -> SchedulerSide:
+    return SchedulerSide(fingerprints, stored.__contains__, lambda rid: [3, 5, 8])
+
+
+def key(piece: PieceSpec, fp: str = FP, prompt: list[int] = PROMPT) -> str:
+    return cache_key(fp, piece.entry_ids(prompt))
+
+
+def test_the_stored_prefix_of_the_run_is_loaded() -> None:
+    everything = side({key(p) for p in RUN})
+    assert everything.matched_tokens(request("a", TransferParams(load=RUN)), 0) == 270
+    middle_missing = side({key(RUN[0]), key(RUN[2])})
+    assert middle_missing.matched_tokens(request("b", TransferParams(load=RUN)), 0) == 20
+    # vLLM's own prefix cache already has the first 128 tokens: only the rest is external
+    assert everything.matched_tokens(request("c", TransferParams(load=RUN)), 128) == 142
+
+
+def test_vllm_always_computes_the_last_prompt_token() -> None:
+    whole = (PieceSpec(0, 300),)
+    s = side({key(whole[0])})
+    assert s.matched_tokens(request("a", TransferParams(load=whole)), 0) == 299
+
+
+def test_tensor_parallel_needs_every_ranks_entry() -> None:
+    ranks = ("fp+tp0of2", "fp+tp1of2")
+    half = side({key(p, ranks[0]) for p in RUN}, ranks)
+    assert half.matched_tokens(request("a", TransferParams(load=RUN)), 0) == 0
+    both = side({key(p, f) for p in RUN for f in ranks}, ranks)
+    assert both.matched_tokens(request("a", TransferParams(load=RUN)), 0) == 270
+
+
+def test_malformed_params_load_nothing() -> None:
+    s = side({key(p) for p in RUN})
+    bad = SimpleNamespace(
+        request_id="x", prompt_token_ids=PROMPT, kv_transfer_params={"kvrag": {"load": 5}}
+    )
+    assert s.matched_tokens(bad, 0) == 0
+    beyond = TransferParams(load=(PieceSpec(0, 400),))
+    assert s.matched_tokens(request("y", beyond), 0) == 0
+
+
+def test_a_load_is_handed_to_the_workers_once_with_its_range() -> None:
+    s = side({key(p) for p in RUN})
+    req = request("a", TransferParams(load=RUN))
+    external = s.matched_tokens(req, 64)  # vLLM's own prefix cache holds 64 tokens
+    s.allocated(req, external)
+    ops = s.step([("a", 270, 30)])  # vLLM counts the external tokens as computed
+    (load,) = ops.loads
+    assert (load.lo, load.hi, load.block_ids) == (64, 270, (3, 5, 8))
+    assert [(p.start, p.rows) for p in load.pieces] == [(20, 100), (120, 150)]
+    assert load.pieces[0].entry_ids[-1] == 7  # the tail completes the entry's ids
+    assert not s.step([("a", 300, 1)]).loads  # decoding: nothing more
+    assert s.finished("a").loaded == 206
+
+
+def test_a_save_waits_for_the_whole_prompt_chunked_prefill_included() -> None:
+    piece = PieceSpec(0, 300)
+    s = side(set())
+    req = request("e", TransferParams(save=(piece,)))
+    assert s.matched_tokens(req, 0) == 0
+    assert not s.step([("e", 0, 128)]).saves  # first part of a chunked prefill
+    assert not s.step([("e", 128, 128)]).saves
+    (save,) = s.step([("e", 256, 44)]).saves  # the step that completes the prompt
+    assert save.pieces[0].entry_ids == tuple(PROMPT)
+    assert not s.step([("e", 300, 1)]).saves  # saved once
+    reply = s.finished("e")
+    assert (reply.keys, reply.stored, reply.fingerprint) == ([key(piece)], 1, FP)
+
+
+def test_encoding_a_stored_entry_reads_it_back_and_saves_nothing() -> None:
+    piece = PieceSpec(0, 300)
+    s = side({key(piece)})
+    req = request("e", TransferParams(save=(piece,)))
+    assert s.matched_tokens(req, 0) == 299  # one token left for vLLM to compute
+    s.allocated(req, 299)
+    ops = s.step([("e", 299, 1)])
+    assert len(ops.loads) == 1 and not ops.saves
+    assert s.finished("e").stored == 0
+    again = side({key(piece)})
+    forced = request("f", TransferParams(save=(piece,), overwrite=True))
+    assert again.matched_tokens(forced, 0) == 0
+    assert len(again.step([("f", 0, 300)]).saves) == 1
