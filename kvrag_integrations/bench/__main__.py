@@ -8,8 +8,10 @@ fidelity to full prefill, F1 and log-likelihood against gold), ``attention``
 (LlamaIndex's HuggingFaceLLM against KVRAGLLM), ``memory`` (stored bytes per
 token and store read throughput), ``cold`` (a request on uncached chunks: KVRAGLLM
 against plain prefill and HuggingFaceLLM), ``stores`` (turbo TTFT from memory, disk
-and Redis per storage precision). ``all`` runs them in that order on one
-loaded model. Each writes ``<suite>.json`` (numbers + machine facts + the
+and Redis per storage precision), ``vllm`` (vLLM with the KV connector against vLLM
+alone and the in-process engine: reuse, TTFT, throughput, the frameworks on it;
+needs vLLM installed). ``all`` runs them in that order on one loaded model
+(``vllm`` apart: it is run by name). Each writes ``<suite>.json`` (numbers + machine facts + the
 command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
 ``--quick`` shrinks every suite to a smoke run (a few items, tiny chunks).
 ``--dummy-weights`` makes ``--model`` a named shape (``llama-3.1-8b``, ...: see
@@ -43,6 +45,7 @@ from kvrag_integrations.bench import (
     shapes,
     stores,
     ttft,
+    vllm_serving,
 )
 from kvrag_integrations.bench.common import (
     load_items,
@@ -62,7 +65,10 @@ SUITES: dict[str, ModuleType] = {
     "memory": memory,
     "cold": cold,
     "stores": stores,
+    "vllm": vllm_serving,
 }
+# Suites ``all`` leaves out: they need more than the package (vLLM).
+BY_NAME_ONLY = {"vllm"}
 
 
 def _ints(text: str) -> list[int]:
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     p = parser()
     args = p.parse_args(argv)
-    names = list(SUITES) if args.suite == "all" else [args.suite]
+    names = [n for n in SUITES if n not in BY_NAME_ONLY] if args.suite == "all" else [args.suite]
     custom = args.preset not in (None, "default")
     if custom and (
         args.suite == "all" or args.preset not in SUITES[args.suite].__dict__.get("PRESETS", {})

@@ -135,7 +135,7 @@ def run(
         # separator), which the engine reads with the chunk before it (chunk_suffix).
         in_chunks = (
             sum(len(engine.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in chunks)
-            + (len(chunks) - 1) * engine.caches.suffix_ids.numel()
+            + (len(chunks) - 1) * engine.prompts.suffix_ids.numel()
         )
         for name, llm in ours.items():
             ttft, answer = _median_ttft(llm, text, repeats)

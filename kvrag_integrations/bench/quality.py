@@ -22,7 +22,7 @@ from kvrag_integrations.bench.metrics import (
     token_f1,
 )
 from kvrag_integrations.engine.engine import KVRAGEngine
-from kvrag_integrations.engine.prompting.segments import tokenize_text
+from kvrag_integrations.engine.prompting.tokenize import tokenize_text
 from kvrag_integrations.store import MemoryKVStore
 
 DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [
@@ -187,8 +187,8 @@ def engine_for(
     """``engine``, or one over its weights with other engine ``settings``."""
     current = {
         "cache_precision": engine.caches.precision,
-        "chunk_suffix": engine.caches.suffix,
-        "chunk_context": engine.caches.context,
+        "chunk_suffix": engine.prompts.suffix,
+        "chunk_context": engine.prompts.context,
     }
     if all(current[k] == v for k, v in settings.items()):
         return engine

@@ -28,6 +28,7 @@ from kvrag_integrations.bench import (
     scaling,
     stores,
     ttft,
+    vllm_serving,
 )
 
 SECTIONS = [
@@ -70,6 +71,7 @@ SECTIONS = [
     ("rerank-judge", rerank, "Reranking by the yes/no judge vs the retriever"),
     ("stores", stores, "Turbo from memory, disk and Redis per storage precision"),
     ("memory", memory, "Stored cache size per dtype and store read throughput"),
+    ("vllm", vllm_serving, "vLLM with the KV connector: reuse, TTFT, throughput, frameworks"),
 ]
 # The PNG files each suite writes next to its JSON (``<name><suffix>.png``).
 PLOTS = {

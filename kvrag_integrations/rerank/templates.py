@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from kvrag_integrations.engine.prompting.chat_template import SLOT, SlottedMessage, render_slots
-from kvrag_integrations.engine.prompting.segments import Text, tokenize_text, tokenize_texts
+from kvrag_integrations.engine.prompting.segments import Text
+from kvrag_integrations.engine.prompting.tokenize import tokenize_text, tokenize_texts
 from kvrag_integrations.errors import UnsupportedModelError
 
 # The answer words whose probabilities are compared; every casing that is one

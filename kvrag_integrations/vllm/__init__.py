@@ -13,5 +13,6 @@ the package and the model's tokenizer.
 """
 
 from kvrag_integrations.vllm.config import transfer_config, transfer_config_json
+from kvrag_integrations.vllm.engine import VLLMEngine
 
-__all__ = ["transfer_config", "transfer_config_json"]
+__all__ = ["VLLMEngine", "transfer_config", "transfer_config_json"]

@@ -48,9 +48,9 @@ from kvrag_integrations.engine.prompting.segments import (
 from kvrag_integrations.engine.request import Request, RequestOptions, prepare
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, check_on_miss
 from kvrag_integrations.engine.streaming import Job
-from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.vllm.backend import Backend, BackendRequest, sampling_args
 from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
+from kvrag_integrations.vllm.requests import account, check_strategy, load_run
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class VLLMEngine(EngineFrontend):
             check_int("logprobs", logprobs, minimum=1)
         prompt_args = {name: kwargs.pop(name) for name in PROMPT_ARGS if name in kwargs}
         options = RequestOptions().merged(kwargs)
-        _check_strategy(options)
+        check_strategy(options)
         request = prepare(self, options, question=question, chunks=chunks, **prompt_args)
         if request.strategy.name == "turbo" and self.cache_prefix:
             request.prompt = cache_leading_text(request.prompt)
@@ -289,7 +289,10 @@ class VLLMEngine(EngineFrontend):
         result.total_s = time.perf_counter() - request.started
         if cached is not None:
             cached -= recomputed
-        self._account(result, prompt, run, cached, request.on_miss)
+        missing = account(result, prompt, run, cached, request.on_miss)
+        if missing:  # vLLM computed them in the request: encoded for the next one
+            ids = prompt.input_ids.tolist()
+            result.deferred_chunks = self.encode_in_background([p.entry_ids(ids) for p in missing])
 
     def _await_background(self, prompt: TokenizedPrompt, run: Sequence[PieceSpec]) -> int:
         """Wait for the background encodes of ``run``'s pieces (in flight in vLLM:
@@ -324,44 +327,6 @@ class VLLMEngine(EngineFrontend):
         entries = list(dict.fromkeys(tuple(p.entry_ids(ids)) for p in run))
         list(self._pool.map(partial(self._encode, params=TransferParams()), entries))
 
-    def _account(
-        self,
-        result: GenerationResult,
-        prompt: TokenizedPrompt,
-        run: Sequence[PieceSpec],
-        cached: int | None,
-        on_miss: str,
-    ) -> None:
-        """The result's token accounting from vLLM's count of cached prompt tokens."""
-        total = prompt.num_tokens
-        reused = min(cached or 0, total)
-        result.prompt_tokens, result.reused_tokens = total, reused
-        result.prefilled_tokens = total - reused
-        result.miss_policy = on_miss
-        head = prompt.pieces[0] if prompt.pieces else None
-        prefix = head.ids.numel() if head is not None and head.is_prefix else 0
-        result.reused_prefix_tokens = min(reused, prefix)
-        result.reused_chunk_tokens = reused - result.reused_prefix_tokens
-        kinds = [p.kind for p in prompt.pieces if p.is_cached][: len(run)]
-        result.reused_chunks = sum(
-            kind == "chunk" and piece.end <= reused for kind, piece in zip(kinds, run)
-        )
-        if not run:
-            result.miss_reason = f"strategy {result.strategy!r} reads no chunk caches"
-            return
-        limit = min(run[-1].end, total - 1)  # vLLM computes the last prompt token itself
-        missing = [p for p in run if min(p.end, limit) > reused]
-        if not missing:
-            result.miss_reason = "every chunk cache was stored"
-            return
-        result.fallback = "uncached"
-        ids = prompt.input_ids.tolist()
-        result.deferred_chunks = self.encode_in_background([p.entry_ids(ids) for p in missing])
-        result.miss_reason = (
-            f"{len(missing)} piece(s) not stored: vLLM computed them in the request; "
-            "encoding them in the background for the next"
-        )
-
     def close(self) -> None:
         """Stop background encoding and release vLLM (or the connection)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -372,36 +337,3 @@ class VLLMEngine(EngineFrontend):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def load_run(prompts: PromptTokenizer, prompt: TokenizedPrompt) -> tuple[PieceSpec, ...]:
-    """The prompt's leading run of stored pieces (the cached leading text, then
-    chunks back to back), as the connector reads them."""
-    run = []
-    position = 0
-    for piece in prompt.pieces:
-        if not piece.is_cached:
-            break
-        rows = piece.ids.numel()
-        entry = prompts.piece_entry_ids(piece)
-        run.append(PieceSpec(position, rows, tuple(entry[rows:].tolist())))
-        position += rows
-    return tuple(run)
-
-
-def _check_strategy(options: RequestOptions) -> None:
-    """Refuse what vLLM cannot run (a clear error at the call, never a wrong answer)."""
-    if not isinstance(options.strategy, str):
-        raise UnsupportedInputError("VLLMEngine takes a strategy by name ('turbo' or 'full')")
-    name = options.strategy
-    if name == "blend":
-        raise UnsupportedInputError(
-            'strategy="blend" is not available on VLLMEngine: recomputing chosen tokens needs '
-            "attention inside vLLM that its KV-connector API does not expose; use "
-            '"turbo" (stored caches reused) or "full" here, or KVRAGEngine for blend'
-        )
-    if options.strategy_options:
-        raise UnsupportedInputError(
-            f"VLLMEngine runs {name!r} with its defaults; strategy options "
-            f"{sorted(options.strategy_options)} need KVRAGEngine"
-        )

@@ -22,7 +22,7 @@ pytest.importorskip("llama_index.llms.huggingface", reason="pip install -e '.[te
 from kvrag_integrations.bench import quality, report
 from kvrag_integrations.bench.__main__ import SUITES, main
 from kvrag_integrations.bench.metrics import answer_loglik, paired_bootstrap
-from kvrag_integrations.engine.prompting.segments import tokenize_text
+from kvrag_integrations.engine.prompting.tokenize import tokenize_text
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EXPECTED_PNGS = ["ttft", "scaling-chunks", "scaling-length", "quality-tradeoff", "peer"]

@@ -58,7 +58,7 @@ def test_stats_report_recomputed_and_reused_tokens(engine: KVRAGEngine) -> None:
         len(engine.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in CHUNKS
     )
     # The "\n\n" after every chunk but the last is read with the chunk (chunk_suffix).
-    chunk_tokens += (len(CHUNKS) - 1) * engine.caches.suffix_ids.numel()
+    chunk_tokens += (len(CHUNKS) - 1) * engine.prompts.suffix_ids.numel()
     head = engine.prefill(**kw).prompt.pieces[0]
     assert head.is_prefix  # the template header + instruction, cached exactly
     assert result.strategy == "blend"

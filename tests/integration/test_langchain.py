@@ -114,7 +114,7 @@ def test_lcel_chain_reuses_caches_and_matches_engine(
     assert result is not None and result.strategy == "turbo"
     docs = retriever.invoke(QUESTION)
     chunk_tokens = sum(r.num_tokens for r in engine.encode_chunks([d.page_content for d in docs]))
-    chunk_tokens += (len(docs) - 1) * engine.caches.suffix_ids.numel()  # format_docs' "\n\n"
+    chunk_tokens += (len(docs) - 1) * engine.prompts.suffix_ids.numel()  # format_docs' "\n\n"
     # reused = the retrieved chunks + the cached leading text (system prompt, header)
     assert result.reused_tokens - result.reused_prefix_tokens == chunk_tokens > 0
     # The same prompt, given straight to the engine as role/content dicts.

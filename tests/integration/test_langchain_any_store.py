@@ -79,7 +79,7 @@ def rag_chain(vector_store: InMemoryVectorStore, llm: ChatKVRAG):
 def chunk_tokens(engine: KVRAGEngine, docs: list[Document]) -> int:
     """The documents' tokens, and the "\n\n" between them (the docs' join): each is
     read with the chunk before it (the chunk suffix)."""
-    between = max(len(docs) - 1, 0) * engine.caches.suffix_ids.numel()
+    between = max(len(docs) - 1, 0) * engine.prompts.suffix_ids.numel()
     return sum(engine.tokenize([Chunk(d.page_content)]).num_tokens for d in docs) + between
 
 

@@ -61,7 +61,7 @@ def chunk_tokens(engine: KVRAGEngine, nodes: list[NodeWithScore]) -> int:
     """The nodes' tokens, and the "\n\n" between them that LlamaIndex's templates
     put in context_str: each is read with the chunk before it (the chunk suffix)."""
     refs = engine.encode_chunks(llm_texts(nodes), show_progress=False)
-    between = max(len(nodes) - 1, 0) * engine.caches.suffix_ids.numel()
+    between = max(len(nodes) - 1, 0) * engine.prompts.suffix_ids.numel()
     return sum(ref.num_tokens for ref in refs) + between
 
 

@@ -22,7 +22,7 @@ from kvrag_integrations import Chunk, KVRAGEngine, Text
 from kvrag_integrations.chunk_kv import QUANT_NAMES
 from kvrag_integrations.engine.caching.chunk_tokens import ChunkTokens
 from kvrag_integrations.engine.modeling.model import LoadedModel
-from kvrag_integrations.engine.prompting import segments as segments_module
+from kvrag_integrations.engine.prompting import tokenize as tokenize_module
 from kvrag_integrations.engine.prompting.segments import cache_leading_text
 from kvrag_integrations.engine.strategies import reuse
 from kvrag_integrations.engine.strategies.turbo import TurboRAG
@@ -89,10 +89,10 @@ def record_tokenizer(monkeypatch: pytest.MonkeyPatch, tokenizer) -> list[str]:
     """Every text the engine's tokenizer encodes from now on (both of its backends:
     literal text and markup)."""
     texts: list[str] = []
-    pair = segments_module._backends(tokenizer)
+    pair = tokenize_module._backends(tokenizer)
     assert pair is not None, "the bundled tokenizer has a Rust backend"
     spies = tuple(Recording(b, texts) for b in pair)
-    monkeypatch.setitem(segments_module._BACKENDS, tokenizer, spies)
+    monkeypatch.setitem(tokenize_module._BACKENDS, tokenizer, spies)
     return texts
 
 
@@ -129,16 +129,16 @@ def test_remembered_ids_are_the_tokenizers(tiny_loaded: LoadedModel) -> None:
         "émigré naïve 東京 🙂",
     ]
     for text in texts:
-        ids, entry = engine.caches.tokens.get(text)
-        want = segments_module.tokenize_text(tiny_loaded.tokenizer, text)
+        ids, entry = engine.prompts.tokens.get(text)
+        want = tokenize_module.tokenize_text(tiny_loaded.tokenizer, text)
         assert torch.equal(ids, want)
-        assert torch.equal(entry, torch.cat([want, engine.caches.suffix_ids]))
-        assert engine.caches.tokens.get(text)[0] is ids  # remembered
+        assert torch.equal(entry, torch.cat([want, engine.prompts.suffix_ids]))
+        assert engine.prompts.tokens.get(text)[0] is ids  # remembered
     segments = [Text("Q: "), *(Chunk(t) for t in texts), Text("\n\nA:")]
-    plain = segments_module.tokenize_segments(tiny_loaded.tokenizer, segments)
+    plain = tokenize_module.tokenize_segments(tiny_loaded.tokenizer, segments)
     assert torch.equal(engine.tokenize(segments).input_ids, plain.input_ids)
-    per_chunk = engine.caches.tokens.get(chunk_text(0))
-    small = ChunkTokens(tiny_loaded.tokenizer, engine.caches.suffix_ids, 3 * len(per_chunk[1]))
+    per_chunk = engine.prompts.tokens.get(chunk_text(0))
+    small = ChunkTokens(tiny_loaded.tokenizer, engine.prompts.suffix_ids, 3 * len(per_chunk[1]))
     for i in range(10):
         small.get(chunk_text(i))
     assert len(small) == 1  # chunk and entry ids counted: one pair fits in 3 entries' ids

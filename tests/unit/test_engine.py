@@ -75,7 +75,7 @@ def test_turbo_reuses_chunk_tokens_and_reports_counts(engine: KVRAGEngine) -> No
     engine.generate(max_new_tokens=1, **kw)  # stores the leading text's cache
     result = engine.generate(max_new_tokens=8, **kw)
     chunk_tokens = sum(engine.tokenize([Chunk(c)]).num_tokens for c in (TOWER, REEF))
-    chunk_tokens += engine.caches.suffix_ids.numel()  # the "\n\n" after TOWER, read with it
+    chunk_tokens += engine.prompts.suffix_ids.numel()  # the "\n\n" after TOWER, read with it
     head = engine.prefill(**kw).prompt.pieces[0]
     assert head.is_prefix and not head.text.startswith(TOWER[:10])
     assert result.strategy == "turbo"
@@ -161,7 +161,7 @@ def test_batched_encoding_equals_encoding_alone(engine: KVRAGEngine) -> None:
     torch.testing.assert_close(a.keys, b.keys, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(a.values, b.values, atol=2e-4, rtol=1e-4)
     # The entry holds the chunk, then the chunk suffix ("\n\n") read where a prompt continues it.
-    assert refs[1].num_tokens + batched.caches.suffix_ids.numel() == a.num_tokens
+    assert refs[1].num_tokens + batched.prompts.suffix_ids.numel() == a.num_tokens
 
 
 def test_encode_chunks_is_idempotent(engine: KVRAGEngine) -> None:
@@ -336,7 +336,7 @@ def test_cold_request_is_a_full_prefill_and_the_next_one_reuses(engine: KVRAGEng
     warm = e.generate(strategy="turbo", **kw)
     assert warm.fallback is None and warm.strategy == "turbo" and warm.deferred_chunks == 0
     chunk_tokens = sum(e.tokenize([Chunk(c)]).num_tokens for c in (TOWER, REEF))
-    chunk_tokens += e.caches.suffix_ids.numel()  # the "\n\n" after TOWER, read with it
+    chunk_tokens += e.prompts.suffix_ids.numel()  # the "\n\n" after TOWER, read with it
     assert warm.reused_chunk_tokens == chunk_tokens
     assert warm.reused_prefix_tokens > 0  # the leading text was encoded in the background too
     assert warm.reused_tokens == warm.reused_chunk_tokens + warm.reused_prefix_tokens

@@ -38,7 +38,7 @@ def test_the_context_is_part_of_the_fingerprint(
     assert sink.fingerprint == storage_fingerprint(
         engine.loaded.fingerprint, "model", f"sink:{bos}"
     )
-    assert engine.caches.context == "alone" and engine.fingerprint.endswith("+kv-model")
+    assert engine.prompts.context == "alone" and engine.fingerprint.endswith("+kv-model")
     shared = DiskKVStore(tmp_path)
     alone = KVRAGEngine(engine.loaded, store=shared, **EXACT)
     behind = KVRAGEngine(engine.loaded, store=shared, chunk_context="sink", **EXACT)

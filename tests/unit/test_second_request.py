@@ -39,7 +39,7 @@ KW = dict(question=QUESTION, chunks=[TOWER, REEF], max_new_tokens=2, strategy="t
 def chunk_tokens(e: KVRAGEngine) -> int:
     """TOWER and REEF's tokens, and the "\n\n" after TOWER (read with it)."""
     n = sum(e.tokenize([Chunk(c)]).num_tokens for c in (TOWER, REEF))
-    return n + e.caches.suffix_ids.numel()
+    return n + e.prompts.suffix_ids.numel()
 
 
 def test_a_request_takes_queued_encodings_over(loaded: LoadedModel) -> None:

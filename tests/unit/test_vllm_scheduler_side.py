@@ -2,7 +2,7 @@
 
 Its logic without vLLM: requests are what vLLM hands it (id, prompt ids,
 ``kv_transfer_params``), the store is a set of keys. The vLLM lane runs the
-same code inside vLLM (tests/integration/vllm).
+same code inside vLLM (tests/integration/with_vllm).
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from kvrag_integrations.chunk_kv import (
     dtype_name,
     storage_fingerprint,
 )
-from kvrag_integrations.engine.caching.chunk_tokens import ChunkTokens
 from kvrag_integrations.engine.caching.chunks import encode_chunk_batch
 from kvrag_integrations.engine.caching.entries import (
     DEFAULT_CHUNK_CONTEXT,
@@ -41,7 +40,6 @@ from kvrag_integrations.engine.prompting.segments import (
     TokenizedPrompt,
     validate_chunk_text,
 )
-from kvrag_integrations.engine.prompting.spans import ChunkIndex
 from kvrag_integrations.engine.scheduling.forward_lock import is_background_thread
 from kvrag_integrations.errors import StoreWriteError, check_fits
 from kvrag_integrations.store import KVStore, MemoryKVStore
@@ -92,31 +90,6 @@ class ChunkCaches:
         self.residency = Residency()
         self.ledger: Any = None  # the engine's BackgroundEncoder: no key encoded twice
 
-    # What prompts and entries agree on lives in ``prompts`` (read-only here).
-    @property
-    def suffix(self) -> str:
-        return self.prompts.suffix
-
-    @property
-    def suffix_ids(self) -> torch.Tensor:
-        return self.prompts.suffix_ids
-
-    @property
-    def context(self) -> str:
-        return self.prompts.context
-
-    @property
-    def context_ids(self) -> torch.Tensor:
-        return self.prompts.context_ids
-
-    @property
-    def tokens(self) -> ChunkTokens:
-        return self.prompts.tokens
-
-    @property
-    def index(self) -> ChunkIndex:
-        return self.prompts.index
-
     @property
     def fingerprint(self) -> str:
         """The storage fingerprint: the model's plus the storage precision and the
@@ -127,7 +100,7 @@ class ChunkCaches:
 
     def key(self, text: str) -> str:
         """The store key the chunk ``text`` has under this model."""
-        return self.tokens.key(self.fingerprint, text, self.tokens.get(text)[1])
+        return self.prompts.tokens.key(self.fingerprint, text, self.prompts.tokens.get(text)[1])
 
     def entry_ids(self, chunk_ids: torch.Tensor) -> torch.Tensor:
         """``entries.entry_ids`` with this engine's chunk suffix."""
@@ -136,7 +109,7 @@ class ChunkCaches:
     def piece_key(self, piece: Piece) -> str:
         ids = self.prompts.piece_entry_ids(piece)
         if piece.is_chunk:  # remembered with the chunk's ids
-            return self.tokens.key(self.fingerprint, piece.text, ids)
+            return self.prompts.tokens.key(self.fingerprint, piece.text, ids)
         return cache_key(self.fingerprint, ids)
 
     def prefetch(self, texts: Sequence[str]) -> int:
@@ -172,11 +145,11 @@ class ChunkCaches:
         """
         if isinstance(chunks, str):
             raise TypeError("chunks must be a list of strings, not one string")
-        pairs = [self.tokens.get(validate_chunk_text(c)) for c in chunks]
+        pairs = [self.prompts.tokens.get(validate_chunk_text(c)) for c in chunks]
         if max_tokens is not None:
             check_fits(max((len(i) for i, _ in pairs), default=0), max_tokens, "a chunk")
         for text in chunks:
-            self.index.add(text)
+            self.prompts.index.add(text)
         lengths = [len(i) for i, _ in pairs]
         ids = [entry for _, entry in pairs]
         keys = [cache_key(self.fingerprint, i) for i in ids]
@@ -276,7 +249,8 @@ class ChunkCaches:
         # Only this engine's chunk entries have its encoding context; leading text
         # (exact from position 0) and other callers' key spaces are encoded alone.
         chunk_entries = store is self.store and fingerprint == self.fingerprint
-        context = self.context_ids if chunk_entries and self.context_ids.numel() else None
+        context = self.prompts.context_ids
+        context = context if chunk_entries and context.numel() else None
         done: dict[str, ChunkKV] = {}
         seconds = 0.0
         writable = True
@@ -332,7 +306,7 @@ class ChunkCaches:
             store = self.prefix_store if piece.is_prefix else self.store
             kv = store.get(key, self.fingerprint) if piece.is_prefix else stored[key]
             if not piece.is_prefix:
-                self.index.add(piece.text)
+                self.prompts.index.add(piece.text)
             if kv is not None and not (self.fits_layout(kv) and self.fits_precision(kv, store)):
                 logger.warning("cache entry %s has the wrong shape or precision", key[:16])
                 store.delete(key)

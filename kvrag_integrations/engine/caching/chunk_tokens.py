@@ -3,7 +3,7 @@ the text around them.
 
 Re-tokenizing every retrieved chunk on every request cost 65 ms of a 16.5k-token
 prompt (64 chunks) on an 8B model's tokenizer. A chunk's ids depend only on its
-text and the tokenizer (``segments.tokenize_text``: the text alone, literal, no
+text and the tokenizer (``tokenize.tokenize_text``: the text alone, literal, no
 special tokens added), and its entry's ids on those and the engine's chunk
 suffix, so both are kept per text in a bounded LRU owned by the engine's
 ``ChunkCaches``: the same tokenizer, the same rule, the same ids (the cache key
@@ -20,7 +20,8 @@ import torch
 
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.engine.caching.entries import entry_ids
-from kvrag_integrations.engine.prompting.segments import tokenize_text, validate_chunk_text
+from kvrag_integrations.engine.prompting.segments import validate_chunk_text
+from kvrag_integrations.engine.prompting.tokenize import tokenize_text
 
 # About 4M token ids (chunk and entry ids together, int64: 64 MiB at most):
 # 16k chunks of 256 tokens, more than any memory tier of chunk caches holds.

@@ -24,14 +24,9 @@ from kvrag_integrations.engine.caching.entries import (
     context_tag,
     entry_ids,
 )
-from kvrag_integrations.engine.prompting.segments import (
-    Piece,
-    Segment,
-    TokenizedPrompt,
-    tokenize_segments,
-    tokenize_text,
-)
+from kvrag_integrations.engine.prompting.segments import Piece, Segment, TokenizedPrompt
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
+from kvrag_integrations.engine.prompting.tokenize import tokenize_segments, tokenize_text
 
 _NO_IDS = torch.zeros(0, dtype=torch.long)
 

@@ -15,7 +15,8 @@ import secrets
 from collections.abc import Sequence
 from typing import Any, Final
 
-from kvrag_integrations.engine.prompting.segments import Chunk, Segment, Text, control_token_strings
+from kvrag_integrations.engine.prompting.segments import Chunk, Segment, Text
+from kvrag_integrations.engine.prompting.tokenize import control_token_strings
 
 
 class _Slot:

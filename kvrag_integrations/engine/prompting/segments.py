@@ -1,24 +1,13 @@
-"""A prompt as a list of segments, and turning it into token ids.
+"""A prompt as a list of segments, and as the tokenized pieces they become.
 
 ``Text`` is prefilled normally; ``Chunk`` is a retrieved passage whose KV cache
-may be reused. Prompt ids are always the concatenation of each chunk's own ids
-and of each run of text between chunks (tokenized alone, without special
-tokens added): re-tokenizing the joined string could merge tokens across a
-boundary, and then no cached chunk would line up.
-
-Text is literal: a special-token string inside a chunk, a question or a message
-(``<|im_end|>`` say) is tokenized as the characters it is made of, never as the
-control token, so a retrieved document cannot open a system turn. Only markup
-(``Text(..., markup=True)``: what the chat template itself writes) has its
-special-token strings turned into control tokens.
+may be reused. ``Piece`` and ``TokenizedPrompt`` are the prompt once tokenized
+(``prompting.tokenize``: each chunk and each run of text alone).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -105,7 +94,6 @@ def check_text(text: Any, what: str) -> str:
 
 PieceKind = Literal["text", "chunk", "prefix"]
 PIECE_KINDS: tuple[PieceKind, ...] = ("text", "chunk", "prefix")
-_NO_IDS = torch.zeros(0, dtype=torch.long)  # a text piece's until its ids are made
 
 
 def check_texts(texts: Any, what: str) -> list[str]:
@@ -220,170 +208,6 @@ def cache_leading_text(prompt: TokenizedPrompt) -> TokenizedPrompt:
         return prompt
     head = pieces[0]
     return TokenizedPrompt([Piece(head.ids, "prefix", head.text), *pieces[1:]])
-
-
-# Per tokenizer: (markup backend, literal backend), private copies of its Rust
-# tokenizer. transformers' ``split_special_tokens`` flips a flag on the shared
-# backend for each call, which races between threads; copies with the flag
-# fixed never change, so a literal text is literal whatever other threads do.
-_BACKENDS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
-_BACKENDS_LOCK = threading.Lock()
-_SLOW_LOCK = threading.Lock()  # tokenizers without a Rust backend: one call at a time
-
-
-def _backends(tokenizer: Any) -> tuple[Any, Any] | None:
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "to_str"):
-        return None
-    with _BACKENDS_LOCK:
-        try:
-            pair = _BACKENDS.get(tokenizer)
-        except TypeError:  # not weak-referenceable: build the copies each time
-            pair = None
-        if pair is None:
-            from tokenizers import Tokenizer
-
-            markup, literal = (Tokenizer.from_str(backend.to_str()) for _ in range(2))
-            for copy in (markup, literal):  # a copy keeps truncation set by past calls
-                copy.no_truncation()
-                copy.no_padding()
-            markup.encode_special_tokens = False
-            literal.encode_special_tokens = True
-            pair = (markup, literal)
-            with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
-                _BACKENDS[tokenizer] = pair
-    return pair
-
-
-def control_token_strings(tokenizer: Any) -> list[str]:
-    """The tokenizer's added-token strings (e.g. ``<|im_end|>``), longest first."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    strings = {getattr(t, "content", str(t)) for t in decoder.values()}
-    return sorted((s for s in strings if s), key=len, reverse=True)
-
-
-def _encode(tokenizer: Any, text: str, literal: bool) -> list[int]:
-    if not text:
-        return []
-    pair = _backends(tokenizer)
-    if pair is not None:
-        return list(pair[literal].encode(text, add_special_tokens=False).ids)
-    if literal and any(c in text for c in control_token_strings(tokenizer)):
-        with _SLOW_LOCK:
-            out = tokenizer(text, add_special_tokens=False, split_special_tokens=True)
-        return list(out["input_ids"])
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def tokenize_text(tokenizer: Any, text: str, *, markup: bool = False) -> torch.Tensor:
-    """Token ids of ``text`` alone, with no special tokens added.
-
-    The text is literal (special-token strings in it are ordinary text) unless
-    ``markup`` is true: then they become the control tokens.
-
-    Examples:
-        >>> tok = lambda text, add_special_tokens=False: {"input_ids": [len(text)]}
-        >>> tokenize_text(tok, "four").tolist()
-        [4]
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
-    return torch.tensor(_encode(tokenizer, text, literal=not markup), dtype=torch.long)
-
-
-def tokenize_texts(tokenizer: Any, texts: Sequence[Text]) -> torch.Tensor:
-    """Ids of a run of ``Text`` segments, tokenized as their joined string would be.
-
-    Markup is cut only at its control tokens; everything else (markup text and
-    literal text alike) is joined and tokenized literally. Since tokenizers split
-    at control tokens first anyway, the ids equal those of the joined string
-    tokenized normally, except that no control token can come from literal text.
-    """
-    return torch.tensor(_text_ids(tokenizer, texts), dtype=torch.long)
-
-
-def _text_ids(tokenizer: Any, texts: Sequence[Text]) -> list[int]:
-    controls = control_token_strings(tokenizer)
-    ids: list[int] = []
-    plain = ""
-    for seg in texts:
-        check_text(seg.text, "Text.text")
-        if not seg.markup or not controls:
-            plain += seg.text
-            continue
-        for part in _split_controls(seg.text, controls):
-            if part in controls:
-                ids += _encode(tokenizer, plain, literal=True)
-                ids += _encode(tokenizer, part, literal=False)
-                plain = ""
-            else:
-                plain += part
-    ids += _encode(tokenizer, plain, literal=True)
-    return ids
-
-
-def _split_controls(text: str, controls: Sequence[str]) -> list[str]:
-    """``text`` cut before and after every occurrence of a control string."""
-    out: list[str] = []
-    start = i = 0
-    while i < len(text):
-        hit = next((c for c in controls if text.startswith(c, i)), None)
-        if hit is None:
-            i += 1
-            continue
-        out += [text[start:i], hit]
-        i = start = i + len(hit)
-    out.append(text[start:])
-    return [p for p in out if p]
-
-
-def tokenize_segments(
-    tokenizer: Any,
-    segments: Sequence[Segment],
-    chunk_tokens: Callable[[str], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> TokenizedPrompt:
-    """Tokenize each chunk alone and each run of text between chunks alone, in order.
-
-    Consecutive ``Text`` segments form one piece (empty runs are dropped).
-    ``chunk_tokens`` (``ChunkTokens.get``) gives a chunk's ids and its entry's,
-    as ``tokenize_text`` and ``entries.entry_ids`` make them, remembered: a known
-    chunk is not tokenized again. Without it, chunks are tokenized here.
-    """
-    pieces: list[Piece] = []
-    text_ids: list[list[int]] = []  # the text pieces' ids, in order
-    run: list[Text] = []
-
-    def flush() -> None:
-        if run:
-            ids = _text_ids(tokenizer, run)
-            if ids:
-                text_ids.append(ids)
-                pieces.append(Piece(_NO_IDS, "text", "".join(t.text for t in run)))
-            run.clear()
-
-    for seg in segments:
-        if isinstance(seg, Chunk):
-            flush()
-            validate_chunk_text(seg.text)
-            if chunk_tokens is None:
-                ids, stored = tokenize_text(tokenizer, seg.text), None
-            else:
-                ids, stored = chunk_tokens(seg.text)
-            if ids.numel():
-                pieces.append(Piece(ids, "chunk", seg.text, None if stored is ids else stored))
-        elif isinstance(seg, Text):
-            check_text(seg.text, "Text.text")
-            run.append(seg)
-        else:
-            raise TypeError(f"segments must be Text or Chunk, got {type(seg).__name__}")
-    flush()
-    if text_ids:  # one tensor for all text pieces (views of it): no op per piece
-        flat = torch.tensor([i for ids in text_ids for i in ids], dtype=torch.long)
-        parts = iter(flat.split([len(ids) for ids in text_ids]))
-        for piece in pieces:
-            if piece.kind == "text":
-                piece.ids = next(parts)
-    return TokenizedPrompt(pieces)
 
 
 def rag_user_segments(

@@ -7,14 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_helpers import Corpus, exact_reference, logprobs_of, max_logprob_gap, send
+from vllm_helpers import Corpus, exact_reference, logprobs_of, max_logprob_gap, needs_vllm, send
 
 from kvrag_integrations import Chunk, KVRAGEngine, Text
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
 from kvrag_integrations.engine.prompting.segments import cache_leading_text
 from kvrag_integrations.store.codec import encode_entry
-from kvrag_integrations.vllm.engine import VLLMEngine, load_run
+from kvrag_integrations.vllm.engine import VLLMEngine
 from kvrag_integrations.vllm.params import TransferParams
+from kvrag_integrations.vllm.requests import load_run
+
+needs_vllm()
 
 
 def test_one_chunk_at_position_zero_equals_vllms_own_prefill(

@@ -12,9 +12,12 @@ from langchain_core.documents import Document
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
+from vllm_helpers import needs_vllm
 
 from kvrag_integrations.langchain import ChatKVRAG, MiniLMEmbeddings
 from kvrag_integrations.vllm.engine import VLLMEngine
+
+needs_vllm()
 
 CAPITALS = [
     "Canberra is the capital city of Australia. It was chosen in 1908 as a compromise "

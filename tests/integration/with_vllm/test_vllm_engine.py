@@ -7,10 +7,12 @@ import asyncio
 import time
 
 import pytest
-from vllm_helpers import Corpus
+from vllm_helpers import Corpus, needs_vllm
 
 from kvrag_integrations import ContextWindowExceededError, UnsupportedInputError
 from kvrag_integrations.vllm.engine import VLLMEngine
+
+needs_vllm()
 
 
 def test_encode_then_generate_reuses_every_stored_piece(
