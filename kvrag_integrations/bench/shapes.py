@@ -117,6 +117,9 @@ def bundled_tokenizer() -> Any:
     return tokenizer
 
 
+DUMMY_SUFFIX = " (dummy weights)"  # the model name of a shape with random weights
+
+
 def dummy_model(
     name: str,
     device: str | torch.device | None = "auto",
@@ -143,8 +146,23 @@ def dummy_model(
     with dev:
         lm = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
     fingerprint = model_fingerprint(lm, tokenizer, torch_dtype, extra=f"dummy:{name}:{seed}")
-    label = f"{name} (dummy weights)"
+    label = f"{name}{DUMMY_SUFFIX}"
     return LoadedModel(lm, tokenizer, label, fingerprint, dev, torch_dtype, ModelLayout.of(lm))
 
 
-__all__ = ["SHAPES", "bundled_tokenizer", "dummy_model", "shape_config"]
+def shape_folder(name: str) -> str:
+    """A checkpoint folder of shape ``name`` without weights (its config and the
+    bundled tokenizer), made once under ``$KVRAG_HOME/shapes``: what vLLM loads
+    with ``load_format="dummy"`` (random weights) for the vLLM suite's timings."""
+    from kvrag_integrations.engine.modeling.model import kvrag_home
+
+    folder = kvrag_home() / "shapes" / name
+    if not (folder / "config.json").is_file():
+        tokenizer = bundled_tokenizer()
+        folder.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(folder)
+        shape_config(name, tokenizer).save_pretrained(folder)
+    return str(folder)
+
+
+__all__ = ["SHAPES", "bundled_tokenizer", "dummy_model", "shape_config", "shape_folder"]

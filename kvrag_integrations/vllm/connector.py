@@ -92,11 +92,10 @@ class KVRAGConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         dtype = str(model.dtype).removeprefix("torch.")
-        extra = ""
-        if str(vllm_config.load_config.load_format) == "dummy":  # random weights of a seed
-            extra = f"dummy-seed:{model.seed}"
+        dummy = str(vllm_config.load_config.load_format) == "dummy"  # random weights of a seed
+        extra = f"dummy-seed:{model.seed}" if dummy else ""
         folder = model_folder(model.model, model.revision)
-        weights = weights_fingerprint(folder, dtype, extra)
+        weights = weights_fingerprint(folder, dtype, extra, weights=not dummy)
         tp_size = parallel.tensor_parallel_size
         precision = self.settings.cache_precision
         self._fingerprints = [

@@ -203,7 +203,9 @@ class VLLMEngine(EngineFrontend):
             for entry in map(tuple, entries):
                 held = self._background.get(entry)
                 if held is None or held.done():
-                    self._background[entry] = self._pool.submit(self._encode, entry, params)
+                    future = self._pool.submit(self._encode, entry, params)
+                    future.add_done_callback(_log_failure)
+                    self._background[entry] = future
                     queued += 1
         return queued
 
@@ -337,3 +339,9 @@ class VLLMEngine(EngineFrontend):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _log_failure(future: Future[Reply]) -> None:
+    """A background encode that failed leaves its piece a miss: say why, once."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("background chunk encoding failed: %s", future.exception())

@@ -65,11 +65,15 @@ def model_folder(model: str, revision: str | None = None) -> Path:
         ) from exc
 
 
-def weights_fingerprint(folder: str | os.PathLike[str], dtype: str, extra: str = "") -> str:
+def weights_fingerprint(
+    folder: str | os.PathLike[str], dtype: str, extra: str = "", *, weights: bool = True
+) -> str:
     """A short hash of a checkpoint folder's config, tokenizer and weights, and ``dtype``.
 
     Weight files are identified by name, size and ``_SAMPLES`` strided samples
-    of their bytes (cheap for any size: a few reads per file).
+    of their bytes (cheap for any size: a few reads per file). ``weights=False``
+    for weights not read from the folder (vLLM's ``load_format="dummy"``:
+    random ones, which ``extra`` must then name).
 
     Examples:
         >>> import tempfile, pathlib
@@ -91,10 +95,10 @@ def weights_fingerprint(folder: str | os.PathLike[str], dtype: str, extra: str =
         path = root / name
         if path.is_file():
             digest.update(f"|{name}|".encode() + hashlib.sha256(path.read_bytes()).digest())
-    weights = sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
-    if not weights:
+    files = sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    if weights and not files:
         raise FileNotFoundError(f"no weight files in {root}")
-    for path in weights:
+    for path in files if weights else ():
         digest.update(f"|{path.name}|{path.stat().st_size}|".encode())
         digest.update(_sample(path))
     digest.update(f"|{dtype}|{FORMAT_VERSION}|{extra}".encode())

@@ -109,7 +109,7 @@ class LocalBackend:
         if engine is not None:
             self._engine = None
             with contextlib.suppress(Exception):
-                engine.shutdown()
+                self._call(_shutdown(engine), timeout=60)
         self._stop_loop()
 
     def _stop_loop(self) -> None:
@@ -123,6 +123,17 @@ async def _start(engine_args: dict[str, Any]) -> Any:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+
+
+async def _shutdown(engine: Any) -> None:
+    """Stop reading outputs, then stop vLLM (in that order, on the loop: its output
+    reader would otherwise report the engine it waits on as dead)."""
+    handler = getattr(engine, "output_handler", None)
+    if handler is not None:
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await handler
+    engine.shutdown()
 
 
 def _event(output: Any, first: bool) -> BackendEvent:

@@ -68,3 +68,30 @@ def test_llama_index_query_engine_on_vllm_reuses_on_the_second_request(
     assert first["prompt_tokens"] == second["prompt_tokens"]
     assert second["fallback"] is None and second["strategy"] == "turbo"
     assert second["reused_tokens"] >= 0.5 * second["prompt_tokens"], second
+
+
+def test_llama_index_ingestion_encodes_through_vllm_and_the_first_query_reuses(
+    vllm_engine: VLLMEngine,
+) -> None:
+    """An IngestionPipeline with KVCacheTransform on the vLLM engine: each node's
+    cache is prefilled by vLLM and stored by the connector, its key recorded;
+    the first query over the index reads the nodes from cache."""
+    from llama_index.core import Document as LIDocument
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from kvrag_integrations import CACHE_KEY_FIELD
+    from kvrag_integrations.llama_index import KVRAGLLM, KVCacheTransform, MiniLMEmbedding
+
+    transform = KVCacheTransform(vllm_engine)
+    assert transform.engine_fingerprint == vllm_engine.fingerprint
+    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=128), transform])
+    nodes = pipeline.run(documents=[LIDocument(text=f"(ingested) {t}") for t in CAPITALS])
+    assert all(len(n.metadata[CACHE_KEY_FIELD]) == 64 for n in nodes)
+    index = VectorStoreIndex(nodes, embed_model=MiniLMEmbedding())
+    llm = KVRAGLLM(vllm_engine, max_new_tokens=8)
+    index.as_query_engine(llm=llm, similarity_top_k=2).query("What is the capital of Canada?")
+    stats = llm.last_stats
+    assert stats["reused_chunks"] == 2 and stats["fallback"] is None
+    assert stats["reused_tokens"] >= 0.5 * stats["prompt_tokens"], stats
