@@ -169,7 +169,8 @@ class KVRAGConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return False, self._scheduler.finished(request.request_id).as_params()
+        reply = self._scheduler.finished(request.request_id)
+        return False, reply.as_params() if reply is not None else None
 
     # =============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -133,7 +133,8 @@ class VLLMEngine(EngineFrontend):
     def fingerprint(self) -> str:
         """The connector's storage fingerprint (asked once, with a one-token request)."""
         if self._fingerprint is None:
-            self._run_encode([int(self.eos_token_ids[0])], TransferParams())
+            probe = self.eos_token_ids[:1] or [0]  # any one token: nothing is stored
+            self._run_encode(probe, TransferParams())
         assert self._fingerprint is not None
         return self._fingerprint
 

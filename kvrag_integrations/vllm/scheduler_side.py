@@ -180,7 +180,8 @@ class SchedulerSide:
                 lo, hi = computed - plan.pending, computed
                 pieces = _overlapping(plan.load, plan.prompt, lo, hi)
                 ops.loads.append(LoadOp(request_id, self._blocks(request_id), lo, hi, pieces))
-                plan.loaded, plan.pending, plan.load_hi = plan.loaded + (hi - lo), 0, hi
+                # (a request preempted and resumed loads again: this load is what counts)
+                plan.loaded, plan.pending, plan.load_hi = hi - lo, 0, hi
             if plan.saves and not plan.saved and computed + count >= len(plan.prompt):
                 pieces = _overlapping(plan.saves, plan.prompt, 0, len(plan.prompt))
                 ops.saves.append(SaveOp(request_id, self._blocks(request_id), pieces))
@@ -199,14 +200,14 @@ class SchedulerSide:
     def _blocks(self, request_id: str) -> tuple[int, ...]:
         return tuple(self.block_ids(request_id))
 
-    def finished(self, request_id: str) -> Reply:
-        """Forget a request; what its output reports."""
+    def finished(self, request_id: str) -> Reply | None:
+        """Forget a request; what its output reports (None: it carried no params
+        of ours, and its output gets nothing of ours)."""
         plan = self.plans.pop(request_id, None)
-        reply = Reply(self.fingerprints[0])
-        if plan is not None:
-            reply.loaded, reply.recomputed = plan.loaded, plan.recomputed
-            reply.keys = plan.keys
-            reply.stored = len(plan.saves) if plan.saved else 0
+        if plan is None:
+            return None
+        reply = Reply(self.fingerprints[0], plan.loaded, plan.recomputed, plan.keys)
+        reply.stored = len(plan.saves) if plan.saved else 0
         return reply
 
 

@@ -106,3 +106,20 @@ def test_encoding_a_stored_entry_reads_it_back_and_saves_nothing() -> None:
     forced = request("f", TransferParams(save=(piece,), overwrite=True))
     assert again.matched_tokens(forced, 0) == 0
     assert len(again.step([("f", 0, 300)]).saves) == 1
+
+
+def test_a_request_without_our_params_gets_no_reply() -> None:
+    s = side(set())
+    plain = SimpleNamespace(request_id="p", prompt_token_ids=PROMPT, kv_transfer_params=None)
+    assert s.matched_tokens(plain, 0) == 0
+    assert s.finished("p") is None
+
+
+def test_a_load_that_failed_is_not_counted_as_reused() -> None:
+    s = side({key(p) for p in RUN})
+    req = request("a", TransferParams(load=RUN))
+    s.allocated(req, s.matched_tokens(req, 0))
+    s.step([("a", 270, 30)])
+    s.load_failed("a", 128)  # a worker could not load from 128 on: vLLM recomputed them
+    reply = s.finished("a")
+    assert (reply.loaded, reply.recomputed) == (128, 142)
