@@ -67,8 +67,8 @@ SUITES: dict[str, ModuleType] = {
     "stores": stores,
     "vllm": vllm_serving,
 }
-# Suites ``all`` leaves out: they need more than the package (vLLM).
-BY_NAME_ONLY = {"vllm"}
+# What ``all`` runs: every suite but those that need more than the package (vLLM).
+ALL = [name for name in SUITES if name != "vllm"]
 
 
 def _ints(text: str) -> list[int]:
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     p = parser()
     args = p.parse_args(argv)
-    names = [n for n in SUITES if n not in BY_NAME_ONLY] if args.suite == "all" else [args.suite]
+    names = ALL if args.suite == "all" else [args.suite]
     custom = args.preset not in (None, "default")
     if custom and (
         args.suite == "all" or args.preset not in SUITES[args.suite].__dict__.get("PRESETS", {})

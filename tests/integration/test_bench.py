@@ -20,7 +20,7 @@ pytest.importorskip("matplotlib", reason="pip install -e '.[test]'")
 pytest.importorskip("llama_index.llms.huggingface", reason="pip install -e '.[test]'")
 
 from kvrag_integrations.bench import quality, report
-from kvrag_integrations.bench.__main__ import SUITES, main
+from kvrag_integrations.bench.__main__ import ALL, main
 from kvrag_integrations.bench.metrics import answer_loglik, paired_bootstrap
 from kvrag_integrations.engine.prompting.tokenize import tokenize_text
 
@@ -43,7 +43,7 @@ def results(engine, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_suite_writes_json_table_and_machine(results: Path) -> None:
-    for name in SUITES:
+    for name in ALL:
         payload = _strict((results / f"{name}.json").read_text())
         machine = payload["machine"]
         assert machine["model"] == "SmolLM2-135M-Instruct"
@@ -150,7 +150,7 @@ def test_rerank_reuse_matches(results: Path) -> None:
 def test_report_renders_every_suite(results: Path, tmp_path: Path) -> None:
     for png in results.glob("*.png"):
         shutil.copy(png, tmp_path / png.name)
-    for name in SUITES:
+    for name in ALL:
         shutil.copy(results / f"{name}.json", tmp_path / f"{name}.json")
     docs, readme = tmp_path / "docs" / "benchmarks.md", tmp_path / "README.md"
     docs.parent.mkdir()
@@ -158,7 +158,7 @@ def test_report_renders_every_suite(results: Path, tmp_path: Path) -> None:
     report.main(["--results", str(tmp_path), "--docs", str(docs), "--readme", str(readme)])
     text = docs.read_text()
     # Sections of non-default presets (quality-ablation, ...) have no quick run.
-    for title in (t for name, _, t in report.SECTIONS if name in SUITES):
+    for title in (t for name, _, t in report.SECTIONS if name in ALL):
         assert f"## {title}" in text
     assert "![scaling](../scaling-chunks.png)" in text
     assert "Command: `python -m kvrag_integrations.bench all --quick" in text
