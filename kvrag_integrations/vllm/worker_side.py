@@ -149,16 +149,17 @@ class WorkerSide:
     def _write(self, op: LoadOp, ready: list[tuple[PieceOp, ChunkKV]], hi: int) -> None:
         """Per layer: the rows of every piece in ``lo .. hi``, keys moved, one write."""
         lo = op.lo
+        device = next(iter(self.caches.values())).device  # moved and rotated where vLLM runs
         rows, deltas = [], []
         for piece, kv in ready:
             first, last = max(lo, piece.start) - piece.start, min(hi, piece.end) - piece.start
             if last > first:
                 # float32 while keys move (as the in-process engine's assembly does)
-                rows.append((kv.to("cpu", torch.float32), first, last))
+                rows.append((kv.to(device, torch.float32), first, last))
                 deltas.append(torch.full((last - first,), piece.start, dtype=torch.long))
         delta = torch.cat(deltas)
         slots = self.slots(op.block_ids, lo, hi)
-        rotations = {kind: rot.rotation(delta, "cpu") for kind, rot in self.layout.rotary.items()}
+        rotations = {kind: rot.rotation(delta, device) for kind, rot in self.layout.rotary.items()}
         for index, cache in self.caches.items():
             keys = torch.cat([kv.keys[index, :, a:b] for kv, a, b in rows], dim=1)
             values = torch.cat([kv.values[index, :, a:b] for kv, a, b in rows], dim=1)

@@ -93,7 +93,7 @@ def test_without_the_salt_an_exact_request_would_be_served_turbo_blocks(
     run = load_run(vllm_engine.prompts, cache_leading_text(prompt))
     send(vllm_engine, ids, salt=None, params=TransferParams(load=run).as_request())
     _, poisoned_first, cached = exact_reference(vllm_engine, ids, 8, salt=None)
-    assert cached > 0.9 * len(ids)  # served the approximate blocks
+    assert cached > 0.5 * len(ids)  # served the approximate blocks (whole ones)
     assert max_logprob_gap(poisoned_first, fresh_first) > 1e-3
 
 

@@ -95,10 +95,11 @@ def test_turbo_through_vllm_equals_the_in_process_turbo(
         folder, cache_precision="model", store=MemoryKVStore(), on_miss="encode", share=False
     )
     try:
-        gaps = []
+        gaps, texts = [], set()
         for i in range(3):
             item = musique.item(50 + i)
             chunks = [text[:800] for text in musique.chunks(50 + i, 3, tag=family)]
+            texts.update(chunks)
             served.encode_chunks(chunks, show_progress=False)
             engine.encode_chunks(chunks, show_progress=False)
             asked = dict(
@@ -112,6 +113,6 @@ def test_turbo_through_vllm_equals_the_in_process_turbo(
             gaps.append(max_logprob_gap(ours.first_token_logprobs, want))
         assert max(gaps) < 1e-3, gaps
         if ranks > 1:  # each rank stored its share: two entries per chunk
-            assert len(list((tmp_path / "kv").rglob("*.safetensors"))) >= 2 * 9
+            assert len(list((tmp_path / "kv").rglob("*.safetensors"))) >= 2 * len(texts)
     finally:
         served.close()

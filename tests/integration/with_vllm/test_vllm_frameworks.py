@@ -86,7 +86,9 @@ def test_llama_index_ingestion_encodes_through_vllm_and_the_first_query_reuses(
 
     transform = KVCacheTransform(vllm_engine)
     assert transform.engine_fingerprint == vllm_engine.fingerprint
-    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=128), transform])
+    pipeline = IngestionPipeline(
+        transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=16), transform]
+    )
     nodes = pipeline.run(documents=[LIDocument(text=f"(ingested) {t}") for t in CAPITALS])
     assert all(len(n.metadata[CACHE_KEY_FIELD]) == 64 for n in nodes)
     index = VectorStoreIndex(nodes, embed_model=MiniLMEmbedding())
