@@ -17,7 +17,6 @@ from kvrag_integrations.store.base import KVStore, TempFileInfo
 from kvrag_integrations.store.maintenance import (
     find_corrupt,
     prune,
-    select_for_pruning,
     summarize,
 )
 from kvrag_integrations.store.tempfiles import STALE_TEMP_S
@@ -117,18 +116,11 @@ def run_prune(args: argparse.Namespace) -> int:
         "older_than_s": None if args.older_than is None else args.older_than * 86400,
         "foreign_to": foreign_to,
     }
-    if args.dry_run:
-        live = store.temp_files()
-        temp_bytes = sum(t.nbytes for t in live)
-        chosen = select_for_pruning(store.entries(), reserved_bytes=temp_bytes, **criteria)
-        temp_files, (reclaimed, reclaimed_bytes) = len(live), store.reclaim_temp_files()
-    else:
-        chosen = prune(store, **criteria)
-        temp_files, temp_bytes = chosen.temp_files, chosen.temp_bytes
-        reclaimed, reclaimed_bytes = chosen.temp_files_reclaimed, chosen.temp_bytes_reclaimed
-    _print_reclaimed(reclaimed, reclaimed_bytes)
-    if temp_files:
-        print(f"kept {temp_files} temp files of writes in flight, {_sized(temp_bytes)}", end="")
+    chosen = prune(store, dry_run=args.dry_run, **criteria)
+    _print_reclaimed(chosen.temp_files_reclaimed, chosen.temp_bytes_reclaimed)
+    if chosen.temp_files:
+        kept = f"{chosen.temp_files} temp files of writes in flight, {_sized(chosen.temp_bytes)}"
+        print(f"kept {kept}", end="")
         print(" (counted toward --max-bytes)" if args.max_bytes is not None else "")
     verb = "would evict" if args.dry_run else "evicted"
     freed = sum(info.nbytes for info in chosen)

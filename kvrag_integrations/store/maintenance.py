@@ -139,8 +139,8 @@ def select_for_pruning(
 
 
 class PruneResult(list[EntryInfo]):
-    """The entries :func:`prune` evicted, in order (a plain list of ``EntryInfo``),
-    with what it found of partial writes.
+    """The entries :func:`prune` evicted (or would evict: ``dry_run``), in order (a
+    plain list of ``EntryInfo``), with what it found of partial writes.
 
     Attributes:
         temp_files_reclaimed, temp_bytes_reclaimed: dead writers' temp files
@@ -155,9 +155,12 @@ class PruneResult(list[EntryInfo]):
     temp_bytes: int = 0
 
 
-def prune(store: KVStore, **criteria: float | str | None) -> PruneResult:
+def prune(store: KVStore, *, dry_run: bool = False, **criteria: float | str | None) -> PruneResult:
     """Remove dead writers' temp files, then evict what the criteria choose (see
-    :func:`select_for_pruning`; live writers' temp bytes count toward ``max_bytes``)."""
+    :func:`select_for_pruning`; live writers' temp bytes count toward ``max_bytes``).
+
+    ``dry_run``: choose, evict nothing (dead writers' temp files are still
+    removed: every listing of the store removes them)."""
     live = store.temp_files()
     result = PruneResult(
         select_for_pruning(
@@ -166,8 +169,9 @@ def prune(store: KVStore, **criteria: float | str | None) -> PruneResult:
             **criteria,  # type: ignore[arg-type]
         )
     )
-    for info in result:
-        store.delete(info.key)
+    if not dry_run:
+        for info in result:
+            store.delete(info.key)
     result.temp_files_reclaimed, result.temp_bytes_reclaimed = store.reclaim_temp_files()
     result.temp_files, result.temp_bytes = len(live), sum(t.nbytes for t in live)
     return result

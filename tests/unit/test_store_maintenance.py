@@ -92,6 +92,8 @@ def test_prune_by_age_foreign_and_size(tmp_path: Path) -> None:
         stamp = now - age_days * 86400
         os.utime(entry_path(store, kv.key), (stamp, stamp))
 
+    assert [i.key for i in prune(store, foreign_to=FP, dry_run=True)] == [kvs[4].key]
+    assert len(store) == 5  # a dry run chooses, evicts nothing
     assert [i.key for i in prune(store, foreign_to=FP)] == [kvs[4].key]
     assert [i.key for i in prune(store, older_than_s=5 * 86400)] == [kvs[0].key]
     sizes = {i.key: i.nbytes for i in store.entries()}
