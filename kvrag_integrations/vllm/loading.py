@@ -18,7 +18,51 @@ from kvrag_integrations.vllm.config import DEFAULT_MEMORY_TIER_BYTES, transfer_c
 if TYPE_CHECKING:
     from kvrag_integrations.vllm.engine import VLLMEngine
 
-CPU_MEMORY_SHARE = 0.25  # vLLM's gpu_memory_utilization on a CPU (override it by name)
+# vLLM on a CPU, as it ran fastest here (issue 34): float32, no graph capture, and
+# a share of the host's memory for its KV cache and weights (vLLM's own 0.92
+# leaves nothing for anyone else). Every vLLM this package starts gets them;
+# an engine argument given by name overrides one.
+CPU_ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.25,
+}
+# vLLM's CPU backend keeps cores for itself unless told; on a small machine every
+# core serving the model is fastest.
+CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def served_checkpoint(model: str | os.PathLike | None) -> tuple[str, str]:
+    """``(folder, name)`` vLLM serves for ``model`` (``checkpoint_folder``: a
+    ``.gguf`` as its safetensors copy), its architecture checked here, before
+    vLLM starts, rather than in a worker.
+
+    Raises:
+        UnsupportedModelError: an architecture reuse is not verified for.
+    """
+    from transformers import AutoConfig
+
+    folder, name = checkpoint_folder(model)
+    ModelLayout.of_config(AutoConfig.from_pretrained(folder))
+    return folder, name
+
+
+def platform_engine_args() -> dict[str, Any]:
+    """The engine arguments this package gives vLLM on this machine (``CPU_ENGINE_ARGS``
+    on a CPU; none on CUDA, where vLLM's own are right)."""
+    return {} if _has_cuda() else dict(CPU_ENGINE_ARGS)
+
+
+def platform_env() -> dict[str, str]:
+    """The environment variables vLLM is started with on this machine (``CPU_ENV``
+    on a CPU), as defaults: one already set wins."""
+    return {} if _has_cuda() else dict(CPU_ENV)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def from_pretrained(
@@ -57,29 +101,26 @@ def from_pretrained(
         UnsupportedModelError: an architecture reuse is not verified for (before
             vLLM starts).
     """
-    import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from kvrag_integrations.vllm.local import LocalBackend
 
-    folder, name = checkpoint_folder(model)
-    ModelLayout.of_config(AutoConfig.from_pretrained(folder))  # refused here, not in a worker
-    cuda = torch.cuda.is_available()
+    folder, name = served_checkpoint(model)
     args: dict[str, Any] = {
         "model": folder,
         "tokenizer": folder,
         "served_model_name": name,
-        "dtype": dtype or ("bfloat16" if cuda else "float32"),
+        "dtype": "bfloat16",
         "enable_prefix_caching": True,
         "disable_log_stats": True,
         "kv_transfer_config": _transfer(store, cache_precision, memory_tier_bytes),
+        **platform_engine_args(),
     }
-    if not cuda:
-        args["enforce_eager"] = True  # no graph capture on CPU: the fastest start and run
-        # On CPU this is the share of the host's memory vLLM reserves (its KV cache
-        # and the weights); vLLM's 0.92 leaves nothing for anyone else.
-        args["gpu_memory_utilization"] = CPU_MEMORY_SHARE
+    if dtype is not None:
+        args["dtype"] = dtype
     args.update(vllm_args)
+    for variable, value in platform_env().items():  # read as vLLM starts its engine core
+        os.environ.setdefault(variable, value)
     from vllm.config import KVTransferConfig
 
     args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -36,10 +35,6 @@ class LocalBackend:
     """
 
     def __init__(self, engine_args: dict[str, Any], name: str) -> None:
-        if not _has_cuda():
-            # vLLM's CPU backend keeps cores for itself unless told; on a small
-            # machine every core serving the model is fastest (issue 34's setup).
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         self.model_name = name
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -149,9 +144,3 @@ def _event(output: Any, first: bool) -> BackendEvent:
     if first and completion.logprobs:
         event.logprobs = {int(i): float(lp.logprob) for i, lp in completion.logprobs[0].items()}
     return event
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

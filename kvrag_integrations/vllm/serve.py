@@ -22,24 +22,18 @@ import argparse
 import os
 import shlex
 import sys
+from typing import Any
 
 from kvrag_integrations.chunk_kv import PRECISIONS
 from kvrag_integrations.vllm.config import DEFAULT_MEMORY_TIER_BYTES, transfer_config_json
-from kvrag_integrations.vllm.loading import CPU_MEMORY_SHARE
+from kvrag_integrations.vllm.loading import platform_engine_args, platform_env, served_checkpoint
 
 
 def server_command(
     model: str | None, store: str, precision: str, tier: int, rest: list[str]
 ) -> list[str]:
     """The vLLM server's command line for ``model`` with the connector on ``store``."""
-    import torch
-    from transformers import AutoConfig
-
-    from kvrag_integrations.engine.modeling.layout import ModelLayout
-    from kvrag_integrations.engine.modeling.model import checkpoint_folder
-
-    folder, name = checkpoint_folder(model)
-    ModelLayout.of_config(AutoConfig.from_pretrained(folder))  # refused before vLLM starts
+    folder, name = served_checkpoint(model)
     config = transfer_config_json(store, cache_precision=precision, memory_tier_bytes=tier)
     command = [
         sys.executable,
@@ -54,10 +48,16 @@ def server_command(
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
     ]
-    if not torch.cuda.is_available():
-        command += ["--dtype", "float32", "--enforce-eager"]
-        command += ["--gpu-memory-utilization", str(CPU_MEMORY_SHARE)]
-    return command + rest
+    return command + _flags(platform_engine_args()) + rest
+
+
+def _flags(engine_args: dict[str, Any]) -> list[str]:
+    """Engine arguments as the server's flags (``enforce_eager=True`` -> ``--enforce-eager``)."""
+    flags: list[str] = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,9 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_command:
         print(shlex.join(command))
         return
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # every core serves (CPU only)
-    os.execvpe(command[0], command, env)
+    os.execvpe(command[0], command, {**platform_env(), **os.environ})
 
 
 if __name__ == "__main__":
