@@ -33,14 +33,12 @@ def exact_reference(
     """vLLM's own answer to ``ids``: greedy tokens, first-token top log-probabilities
     and its cached-token count. A salt of its own (default) keeps every block any
     earlier request cached out of it: computed afresh, as a new vLLM would."""
-    params = sampling_args(SamplingParams(max_new_tokens=max_new_tokens), engine.eos_token_ids)
     if salt == "fresh":
         salt = f"reference-{uuid.uuid4().hex}"
-    request = BackendRequest(ids, params, salt, None, TOP)
     tokens: list[int] = []
     first: dict[int, float] = {}
     cached = 0
-    for event in engine.backend.submit(request, threading.Event()):
+    for event in send(engine, ids, salt=salt, max_new_tokens=max_new_tokens):
         tokens += event.token_ids
         first = first or (event.logprobs or {})
         cached = event.cached_tokens if event.cached_tokens is not None else cached
