@@ -43,7 +43,6 @@ from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
 from kvrag_integrations.engine.prompting.segments import (
     TokenizedPrompt,
     cache_leading_text,
-    validate_chunk_text,
 )
 from kvrag_integrations.engine.request import Request, RequestOptions, prepare
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, check_on_miss
@@ -157,13 +156,7 @@ class VLLMEngine(EngineFrontend):
         ``overwrite``). ``batch_size``: encode requests in flight at once (vLLM
         batches what is in flight). Returns one ``ChunkRef`` per chunk, in order.
         """
-        if isinstance(chunks, str):
-            raise TypeError("chunks must be a list of strings, not one string")
-        pairs = [self.prompts.chunk(validate_chunk_text(text)) for text in chunks]
-        for ids, _ in pairs:
-            self.check_fits(len(ids), "a chunk")
-        for text in chunks:
-            self.prompts.index.add(text)
+        pairs = self.prompts.chunks_to_encode(chunks, self.context_window)
         entries = list(dict.fromkeys(tuple(entry.tolist()) for _, entry in pairs))
         params = TransferParams(overwrite=overwrite)
         keys: dict[tuple[int, ...], str] = {}

@@ -38,10 +38,9 @@ from kvrag_integrations.engine.modeling.model import LoadedModel
 from kvrag_integrations.engine.prompting.segments import (
     Piece,
     TokenizedPrompt,
-    validate_chunk_text,
 )
 from kvrag_integrations.engine.scheduling.forward_lock import is_background_thread
-from kvrag_integrations.errors import StoreWriteError, check_fits
+from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store import KVStore, MemoryKVStore
 
 logger = logging.getLogger(__name__)
@@ -143,13 +142,7 @@ class ChunkCaches:
         ``ContextWindowExceededError`` before anything is encoded. Other
         arguments as in ``KVRAGEngine.encode_chunks``.
         """
-        if isinstance(chunks, str):
-            raise TypeError("chunks must be a list of strings, not one string")
-        pairs = [self.prompts.tokens.get(validate_chunk_text(c)) for c in chunks]
-        if max_tokens is not None:
-            check_fits(max((len(i) for i, _ in pairs), default=0), max_tokens, "a chunk")
-        for text in chunks:
-            self.prompts.index.add(text)
+        pairs = self.prompts.chunks_to_encode(chunks, max_tokens)
         lengths = [len(i) for i, _ in pairs]
         ids = [entry for _, entry in pairs]
         keys = [cache_key(self.fingerprint, i) for i in ids]

@@ -24,9 +24,15 @@ from kvrag_integrations.engine.caching.entries import (
     context_tag,
     entry_ids,
 )
-from kvrag_integrations.engine.prompting.segments import Piece, Segment, TokenizedPrompt
+from kvrag_integrations.engine.prompting.segments import (
+    Piece,
+    Segment,
+    TokenizedPrompt,
+    validate_chunk_text,
+)
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
 from kvrag_integrations.engine.prompting.tokenize import tokenize_segments, tokenize_text
+from kvrag_integrations.errors import check_fits
 
 _NO_IDS = torch.zeros(0, dtype=torch.long)
 
@@ -70,6 +76,21 @@ class PromptTokenizer:
     def chunk(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(chunk ids, entry ids)`` of chunk ``text``, remembered."""
         return self.tokens.get(text)
+
+    def chunks_to_encode(
+        self, texts: Sequence[str], max_tokens: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``chunk`` of each text an engine is asked to encode, checked first (a list
+        of non-empty strings, none longer than ``max_tokens``: a bad one raises
+        before anything is encoded) and noted in ``index``."""
+        if isinstance(texts, str):
+            raise TypeError("chunks must be a list of strings, not one string")
+        pairs = [self.chunk(validate_chunk_text(text)) for text in texts]
+        if max_tokens is not None:
+            check_fits(max((len(ids) for ids, _ in pairs), default=0), max_tokens, "a chunk")
+        for text in texts:
+            self.index.add(text)
+        return pairs
 
     def entry_ids(self, chunk_ids: torch.Tensor) -> torch.Tensor:
         """``entries.entry_ids`` with this chunk suffix."""
