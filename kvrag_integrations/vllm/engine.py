@@ -294,7 +294,7 @@ class VLLMEngine(EngineFrontend):
         """Wait for the background encodes of ``run``'s pieces (in flight in vLLM:
         what this request needs to reuse them); how many chunks were awaited."""
         ids = prompt.input_ids.tolist()
-        kinds = [p.kind for p in prompt.pieces if p.is_cached]
+        kinds = [p.kind for p in prompt.cached_pieces]
         with self._lock:
             pending = [
                 (kind, future)

@@ -71,7 +71,7 @@ def account(
     prefix = head.ids.numel() if head is not None and head.is_prefix else 0
     result.reused_prefix_tokens = min(reused, prefix)
     result.reused_chunk_tokens = reused - result.reused_prefix_tokens
-    kinds = [p.kind for p in prompt.pieces if p.is_cached][: len(run)]
+    kinds = [p.kind for p in prompt.cached_pieces][: len(run)]
     result.reused_chunks = sum(
         kind == "chunk" and piece.end <= reused for kind, piece in zip(kinds, run)
     )
