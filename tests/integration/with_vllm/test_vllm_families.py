@@ -5,7 +5,8 @@ served by vLLM with the connector and by the in-process engine from the same
 folder: turbo over three chunks gives the same greedy tokens and first-token
 log-probabilities within 1e-3 on both. Gemma-3 moves keys with two rotary
 bases (sliding and full layers) and has sliding-window layers; Qwen2 has QKV
-biases; tensor parallelism (two ranks on the CPU) stores and reads each rank's
+biases; Phi-3 has fused QKV and gate-up projections (vLLM loads them its own
+way); tensor parallelism (two ranks on the CPU) stores and reads each rank's
 share of the heads under keys of its own.
 """
 
@@ -58,6 +59,8 @@ def tiny(family: str, folder: Path) -> str:
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
             },
         )
+    elif family == "phi3":
+        config = transformers.Phi3Config(**{**common, "hidden_size": 256})
     else:
         config = transformers.Qwen2Config(
             **{**common, "hidden_size": 256},
@@ -69,7 +72,7 @@ def tiny(family: str, folder: Path) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize(("family", "ranks"), [("gemma3", 1), ("qwen2", 1), ("qwen2", 2)])
+@pytest.mark.parametrize(("family", "ranks"), [("gemma3", 1), ("qwen2", 1), ("phi3", 1), ("qwen2", 2)])
 def test_turbo_through_vllm_equals_the_in_process_turbo(
     family: str,
     ranks: int,
