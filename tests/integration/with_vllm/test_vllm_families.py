@@ -72,7 +72,9 @@ def tiny(family: str, folder: Path) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize(("family", "ranks"), [("gemma3", 1), ("qwen2", 1), ("phi3", 1), ("qwen2", 2)])
+@pytest.mark.parametrize(
+    ("family", "ranks"), [("gemma3", 1), ("qwen2", 1), ("phi3", 1), ("qwen2", 2)]
+)
 def test_turbo_through_vllm_equals_the_in_process_turbo(
     family: str,
     ranks: int,
