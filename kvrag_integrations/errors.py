@@ -67,3 +67,22 @@ class StoreWriteError(KVRAGError, OSError):
 
 class StoreURLError(KVRAGError, ValueError):
     """A store URL that names no known backend or lacks a part (see ``open_store``)."""
+
+
+# ----------------------------------------------------------------- vLLM
+class ServerError(KVRAGError, RuntimeError):
+    """A vLLM server refused a request or could not be reached (its message included)."""
+
+
+class TransferParamsError(KVRAGError, ValueError):
+    """A request's ``kv_transfer_params["kvrag"]`` is malformed or not allowed (the
+    connector then ignores them: vLLM computes the request as if it carried none)."""
+
+
+class PagedLayoutError(KVRAGError, RuntimeError):
+    """A vLLM layer's paged cache is not one the connector can read and write."""
+
+
+class ConnectorMissingError(KVRAGError, RuntimeError):
+    """vLLM answered without the KVRAGConnector's reply: it was not started with
+    ``kvrag_integrations.vllm.transfer_config(...)`` as its ``kv_transfer_config``."""

@@ -127,6 +127,12 @@ class KVStore(ABC):
         """Remove the entry under ``key`` if present."""
         self._delete(key)
 
+    def touch(self, key: str) -> None:
+        """Note that the entry under ``key`` was just used (what least-recently-used
+        pruning orders by: ``EntryInfo.updated_at``); stores that track use
+        themselves, or cannot, do nothing."""
+        return None
+
     def temp_files(self) -> list[TempFileInfo]:
         """Partial writes of writers that may be alive (disk: temp files in flight).
 

@@ -91,6 +91,11 @@ class DiskKVStore(EncodedKVStore):
         """Whether a file exists for ``key`` (not verified: ``get`` verifies)."""
         return self._path(key).is_file()
 
+    def touch(self, key: str) -> None:
+        """The file's mtime is its last use: pruning by size evicts the least used."""
+        with contextlib.suppress(OSError):
+            os.utime(self._path(key))
+
     def _read_bytes(self, key: str) -> bytearray | None:
         try:
             return read_entry_file(self._path(key))

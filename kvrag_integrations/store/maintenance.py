@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -175,3 +176,51 @@ def prune(store: KVStore, *, dry_run: bool = False, **criteria: float | str | No
     result.temp_files_reclaimed, result.temp_bytes_reclaimed = store.reclaim_temp_files()
     result.temp_files, result.temp_bytes = len(live), sum(t.nbytes for t in live)
     return result
+
+
+class StoreBudget:
+    """Keeps a store within ``max_bytes`` as entries are written to it.
+
+    Before a write that would take the store past its budget, the least
+    recently used entries (``EntryInfo.updated_at``: ``touch`` marks a use) are
+    evicted until the store holds at most ``low_water`` of the budget with the
+    new entry. The store's size is measured then and counted forward from each
+    write in between, so a write costs no listing until the budget is near.
+    Writers in other processes are seen at the next measurement: the budget
+    holds per writer, and across writers up to what they write in between.
+
+    Examples:
+        >>> from kvrag_integrations.store.memory import MemoryKVStore
+        >>> StoreBudget(MemoryKVStore(), max_bytes=100).admit(200)
+        False
+    """
+
+    def __init__(self, store: KVStore, max_bytes: int, low_water: float = 0.8) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.store = store
+        self.max_bytes = max_bytes
+        self.low_water = low_water
+        self.evicted = 0
+        self._known: int | None = None
+        self._lock = threading.Lock()
+
+    def admit(self, nbytes: int) -> bool:
+        """Make room for a write of ``nbytes``; False if it could never fit."""
+        if nbytes > self.max_bytes:
+            return False
+        with self._lock:
+            if self._known is None or self._known + nbytes > self.max_bytes:
+                self._known = self._size()
+                if self._known + nbytes > self.max_bytes:
+                    target = max(0, int(self.max_bytes * self.low_water) - nbytes)
+                    evicted = prune(self.store, max_bytes=target)
+                    self.evicted += len(evicted)
+                    self._known = self._size()
+            self._known += nbytes
+            return True
+
+    def _size(self) -> int:
+        return sum(i.nbytes for i in self.store.entries()) + sum(
+            t.nbytes for t in self.store.temp_files()
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -176,6 +177,11 @@ class RedisKVStore(EncodedKVStore):
         except self._down as exc:
             logger.warning("redis unreachable (%s); treating %s as absent", exc, key[:16])
             return False
+
+    def touch(self, key: str) -> None:
+        """Redis's TOUCH: the entry's idle time (its ``updated_at``) starts again."""
+        with contextlib.suppress(*self._down):
+            self.client.touch(self._rkey(key))
 
     def _read_bytes(self, key: str) -> bytes | None:
         rkey = self._rkey(key)

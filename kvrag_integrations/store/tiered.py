@@ -121,6 +121,10 @@ class TieredKVStore(KVStore):
         self.memory.delete(key)
         self.backend.delete(key)
 
+    def touch(self, key: str) -> None:
+        """A memory-tier hit is a use of the shared entry too: pruning sees it."""
+        self.backend.touch(key)
+
     # The base class's hooks, for completeness; get/put/delete above use the tiers'
     # public methods so that each tier verifies and counts for itself.
     def _get(self, key: str) -> ChunkKV | None:

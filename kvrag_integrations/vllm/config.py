@@ -16,6 +16,7 @@ from typing import Any
 
 from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.errors import StoreURLError
+from kvrag_integrations.vllm.trust import check_role
 
 CONNECTOR_CLASS = "KVRAGConnector"
 CONNECTOR_MODULE = "kvrag_integrations.vllm.connector"
@@ -25,6 +26,9 @@ DEFAULT_MEMORY_TIER_BYTES = 512 * 2**20
 # vLLM recomputes the blocks a connector could not load (instead of failing the
 # request): a missing, corrupt or foreign entry is then a miss, never an error.
 LOAD_FAILURE_POLICY = "recompute"
+# The longest prompt a request may store as one entry (a chunk, a template's
+# head): bounds what one request writes.
+DEFAULT_MAX_ENTRY_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -39,11 +43,24 @@ class ConnectorSettings:
             ``"int8"`` or ``"model"``, as ``KVRAGEngine``'s ``cache_precision``).
         memory_tier_bytes: each worker's in-memory tier in front of the store
             (0: none).
+        trusted_clients: every request comes from the operator's own code
+            (``VLLMEngine.from_pretrained``, in this process): it may overwrite.
+            Never for a server: its clients are anyone who reaches the port.
+        client_role: what a request without an API key's grant may do:
+            ``"write"`` (reuse, and store prompts as their own entries: chunk
+            encoding), ``"read"`` (reuse only) or ``"admin"`` (also overwrite).
+        max_store_bytes: the store's budget (0: none): least recently used
+            entries are evicted to make room for a new one.
+        max_entry_tokens: the longest prompt a request may store as an entry.
     """
 
     store: str
     cache_precision: str = "float16"
     memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES
+    trusted_clients: bool = False
+    client_role: str = "write"
+    max_store_bytes: int = 0
+    max_entry_tokens: int = DEFAULT_MAX_ENTRY_TOKENS
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store.strip():
@@ -54,27 +71,27 @@ class ConnectorSettings:
                 "processes: use disk:DIR or redis://host:port/db, not memory"
             )
         check_precision(self.cache_precision)
-        tier = self.memory_tier_bytes
-        if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
-            raise ValueError(f"memory_tier_bytes must be an integer >= 0, got {tier!r}")
+        for name in ("memory_tier_bytes", "max_store_bytes", "max_entry_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.trusted_clients, bool):
+            raise ValueError("trusted_clients must be true or false")
+        check_role(self.client_role)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         """Read them from a ``kv_connector_extra_config``."""
         extra = dict(extra or {})
-        unknown = set(extra) - {"store", "cache_precision", "memory_tier_bytes"}
+        unknown = set(extra) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown KVRAGConnector settings {sorted(unknown)}")
         return cls(**extra)
 
 
-def transfer_config(
-    store: str,
-    *,
-    cache_precision: str = "float16",
-    memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES,
-) -> dict[str, Any]:
-    """vLLM's ``KVTransferConfig`` for this package's connector, as a dict.
+def transfer_config(store: str, **settings: Any) -> dict[str, Any]:
+    """vLLM's ``KVTransferConfig`` for this package's connector, as a dict
+    (``settings``: ``ConnectorSettings``' other fields).
 
     Examples:
         >>> config = transfer_config("disk:/srv/kv")
@@ -86,13 +103,13 @@ def transfer_config(
         kvrag_integrations.errors.StoreURLError: the KV connector's store must be shared by \
 vLLM's scheduler and worker processes: use disk:DIR or redis://host:port/db, not memory
     """
-    settings = ConnectorSettings(store, cache_precision, memory_tier_bytes)
+    config = ConnectorSettings(store, **settings)
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": LOAD_FAILURE_POLICY,
-        "kv_connector_extra_config": asdict(settings),
+        "kv_connector_extra_config": asdict(config),
     }
 
 

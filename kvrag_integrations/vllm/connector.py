@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.store import KVStore, TieredKVStore, open_store
+from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.vllm.config import LOAD_FAILURE_POLICY, ConnectorSettings
 from kvrag_integrations.vllm.identity import (
     connector_fingerprint,
@@ -34,6 +35,7 @@ from kvrag_integrations.vllm.identity import (
     weights_fingerprint,
 )
 from kvrag_integrations.vllm.scheduler_side import SchedulerSide, StepOps
+from kvrag_integrations.vllm.trust import ClientPolicy, server_secret
 from kvrag_integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -105,8 +107,19 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            settings = self.settings
+            policy = ClientPolicy(
+                settings.trusted_clients,
+                settings.client_role,
+                settings.max_entry_tokens,
+                server_secret(),
+            )
             self._scheduler = SchedulerSide(
-                self._fingerprints, self._backend.contains, self._request_blocks
+                self._fingerprints,
+                self._backend.contains,
+                self._request_blocks,
+                policy,
+                lossless=precision == "model",
             )
         else:
             from transformers import AutoConfig
@@ -118,7 +131,9 @@ class KVRAGConnector(KVConnectorBase_V1):
             )
             tier = self.settings.memory_tier_bytes
             store = TieredKVStore(self._backend, max_bytes=tier) if tier else self._backend
-            self._worker = WorkerSide(store, self._fingerprints[rank], precision, layout)
+            limit = self.settings.max_store_bytes
+            budget = StoreBudget(self._backend, limit) if limit else None
+            self._worker = WorkerSide(store, self._fingerprints[rank], precision, layout, budget)
             self._worker.scheduler_block_size = vllm_config.cache_config.block_size
         logger.info(
             "KVRAGConnector (%s): store %s, precision %s, fingerprint %s",

@@ -7,9 +7,10 @@ at their entries), then sent to vLLM as token ids:
 - ``strategy="turbo"`` (the default): the prompt's leading run of stored
   pieces (the cached leading text, then the chunks back to back) goes to the
   connector, which writes their stored K/V into vLLM's cache, keys moved to
-  their positions; vLLM computes the rest. The request carries a salt of its
-  layout (``TransferParams.salt``), so vLLM's own prefix cache never hands its
-  approximate blocks to an exact request.
+  their positions; vLLM computes the rest. The request carries the salt of its
+  tenant and layout (``trust.request_salt``): the connector loads nothing for a
+  request without it, and vLLM's own prefix cache never hands its approximate
+  blocks to an exact request.
 - ``strategy="full"``: plain vLLM, its own (exact) prefix caching included.
 - ``strategy="blend"``: refused (``UnsupportedInputError``): recomputing chosen
   tokens needs attention inside vLLM that the connector API does not expose.
@@ -47,9 +48,11 @@ from kvrag_integrations.engine.prompting.segments import (
 from kvrag_integrations.engine.request import Request, RequestOptions, prepare
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, check_on_miss
 from kvrag_integrations.engine.streaming import Job
+from kvrag_integrations.errors import ConnectorMissingError, TransferParamsError
 from kvrag_integrations.vllm.backend import Backend, BackendRequest, sampling_args
 from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
 from kvrag_integrations.vllm.requests import account, check_strategy, load_run
+from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,10 @@ class VLLMEngine(EngineFrontend):
             ``"encode"`` encodes them first.
         eos_token_ids: ids that end an answer (default: the tokenizer's EOS).
         max_in_flight: encode requests in flight at once (vLLM batches them).
+        cache_salt: this client's tenant (vLLM's ``cache_salt``, a secret its
+            holders share): requests reuse and store only the tenant's entries,
+            and vLLM's prefix cache keeps its blocks apart. None: the shared
+            namespace. (A server's API key may map to a tenant instead.)
     """
 
     def __init__(
@@ -87,8 +94,10 @@ class VLLMEngine(EngineFrontend):
         on_miss: str = DEFAULT_ON_MISS,
         eos_token_ids: Sequence[int] | None = None,
         max_in_flight: int = 32,
+        cache_salt: str | None = None,
     ) -> None:
         self.backend = backend
+        self.tenant = Tenant.of_salt(cache_salt).salt or ""
         self.tokenizer = tokenizer
         self.prompts = PromptTokenizer(tokenizer, chunk_suffix)  # chunks encoded alone
         self.cache_prefix = cache_prefix
@@ -133,7 +142,7 @@ class VLLMEngine(EngineFrontend):
         """The connector's storage fingerprint (asked once, with a one-token request)."""
         if self._fingerprint is None:
             probe = self.eos_token_ids[:1] or [0]  # any one token: nothing is stored
-            self._run_encode(probe, TransferParams())
+            self._run_encode(probe, TransferParams(tenant=self.tenant))
         assert self._fingerprint is not None
         return self._fingerprint
 
@@ -158,7 +167,7 @@ class VLLMEngine(EngineFrontend):
         """
         pairs = self.prompts.chunks_to_encode(chunks, self.context_window)
         entries = list(dict.fromkeys(tuple(entry.tolist()) for _, entry in pairs))
-        params = TransferParams(overwrite=overwrite)
+        params = TransferParams(overwrite=overwrite, tenant=self.tenant)
         keys: dict[tuple[int, ...], str] = {}
         step = max(1, batch_size)
         with tqdm(
@@ -173,25 +182,35 @@ class VLLMEngine(EngineFrontend):
         return [ChunkRef(keys[tuple(entry.tolist())], len(ids)) for ids, entry in pairs]
 
     def _encode(self, entry: Sequence[int], params: TransferParams) -> Reply:
-        save = TransferParams((), (PieceSpec(0, len(entry)),), params.overwrite)
+        save = TransferParams((), (PieceSpec(0, len(entry)),), params.overwrite, self.tenant)
         return self._run_encode(list(entry), save)
 
     def _run_encode(self, ids: list[int], params: TransferParams) -> Reply:
-        request = BackendRequest(ids, dict(_ENCODE), None, params.as_request(), stream=False)
+        """One prefill-only request; the connector's reply.
+
+        Raises:
+            ConnectorMissingError: vLLM runs without the connector.
+            TransferParamsError: the connector did not admit it (the reply says why).
+        """
+        request = BackendRequest(
+            ids, dict(_ENCODE), params.salt(), params.as_request(), stream=False
+        )
         reply = None
         for event in self.backend.submit(request, threading.Event()):
             reply = event.reply or reply
         if reply is None:
-            raise RuntimeError(
+            raise ConnectorMissingError(
                 f"{self.model_name}: vLLM answered without the KVRAGConnector's reply; start it "
                 "with kvrag_integrations.vllm.transfer_config(...) as its kv_transfer_config"
             )
+        if reply.refused:
+            raise TransferParamsError(f"the KV connector refused the request: {reply.refused}")
         self._fingerprint = reply.fingerprint
         return reply
 
     def encode_in_background(self, entries: Sequence[Sequence[int]]) -> int:
         """Queue encode requests for entries (by ids) not queued yet; how many were."""
-        params = TransferParams()
+        params = TransferParams(tenant=self.tenant)
         queued = 0
         with self._lock:
             for entry in map(tuple, entries):
@@ -244,7 +263,7 @@ class VLLMEngine(EngineFrontend):
     ) -> Iterator[str]:
         prompt = request.prompt
         run = load_run(self.prompts, prompt) if request.strategy.name == "turbo" else ()
-        params = TransferParams(load=run)
+        params = TransferParams(load=run, tenant=self.tenant)
         if run:  # pieces an earlier request left to the background: wait for them
             result.awaited_chunks = self._await_background(prompt, run)
         if run and request.on_miss == "encode":
@@ -255,7 +274,7 @@ class VLLMEngine(EngineFrontend):
             prompt.input_ids.tolist(),
             sampling_args(sampling, self.eos_token_ids),
             params.salt(),
-            params.as_request() if run else None,
+            params.as_request() if run else None,  # an exact request needs no params
             logprobs,
         )
         cached: int | None = None
@@ -312,7 +331,7 @@ class VLLMEngine(EngineFrontend):
         with self._lock:
             known = entry in self._prefixes
         if not known:
-            self._encode(entry, TransferParams())
+            self._encode(entry, TransferParams(tenant=self.tenant))
             with self._lock:
                 self._prefixes[entry] = None
                 while len(self._prefixes) > _MAX_PREFIXES:
@@ -321,7 +340,8 @@ class VLLMEngine(EngineFrontend):
     def _encode_all(self, prompt: TokenizedPrompt, run: Sequence[PieceSpec]) -> None:
         ids = prompt.input_ids.tolist()
         entries = list(dict.fromkeys(tuple(p.entry_ids(ids)) for p in run))
-        list(self._pool.map(partial(self._encode, params=TransferParams()), entries))
+        params = TransferParams(tenant=self.tenant)
+        list(self._pool.map(partial(self._encode, params=params), entries))
 
     def close(self) -> None:
         """Stop background encoding and release vLLM (or the connection)."""

@@ -18,15 +18,19 @@ from kvrag_integrations.vllm.config import DEFAULT_MEMORY_TIER_BYTES, transfer_c
 if TYPE_CHECKING:
     from kvrag_integrations.vllm.engine import VLLMEngine
 
-# vLLM on a CPU, as it ran fastest here (issue 34): float32, no graph capture, and
-# a share of the host's memory for its KV cache and weights (vLLM's own 0.92
-# leaves nothing for anyone else). Every vLLM this package starts gets them;
-# an engine argument given by name overrides one.
+# vLLM on a CPU, as it ran fastest here (issue 34): float32 and no graph capture.
+# Every vLLM this package starts gets them, and a KV cache of an eighth of the
+# host's available memory (``cpu_kv_cache_bytes``); an engine argument given by
+# name overrides one.
 CPU_ENGINE_ARGS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
-    "gpu_memory_utilization": 0.25,
 }
+# vLLM's CPU default sizes the cache as a share of the memory node's total less
+# what the worker holds, which fails on hosts whose node 0 is small (a VM whose
+# memory was hot-plugged): a size in bytes does not.
+_CPU_KV_SHARE = 8
+_CPU_KV_BOUNDS = (512 * 2**20, 4 * 2**30)
 # vLLM's CPU backend keeps cores for itself unless told; on a small machine every
 # core serving the model is fastest.
 CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -49,8 +53,20 @@ def served_checkpoint(model: str | os.PathLike | None) -> tuple[str, str]:
 
 def platform_engine_args() -> dict[str, Any]:
     """The engine arguments this package gives vLLM on this machine (``CPU_ENGINE_ARGS``
-    on a CPU; none on CUDA, where vLLM's own are right)."""
-    return {} if _has_cuda() else dict(CPU_ENGINE_ARGS)
+    and ``kv_cache_memory_bytes`` on a CPU; none on CUDA, where vLLM's own are right)."""
+    if _has_cuda():
+        return {}
+    return {**CPU_ENGINE_ARGS, "kv_cache_memory_bytes": cpu_kv_cache_bytes()}
+
+
+def cpu_kv_cache_bytes() -> int:
+    """The KV cache vLLM gets on a CPU: an eighth of the available host memory,
+    between 512 MiB and 4 GiB."""
+    from kvrag_integrations.store.budget import FALLBACK_BYTES, available_host_memory
+
+    available = available_host_memory() or FALLBACK_BYTES
+    low, high = _CPU_KV_BOUNDS
+    return max(low, min(high, available // _CPU_KV_SHARE))
 
 
 def platform_env() -> dict[str, str]:
@@ -65,6 +81,39 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def engine_args(
+    model: str | os.PathLike | None,
+    transfer: dict[str, Any],
+    *,
+    dtype: str | None = None,
+    **vllm_args: Any,
+) -> dict[str, Any]:
+    """vLLM's engine arguments for ``model`` with the connector's ``transfer``
+    config: the one recipe of ``from_pretrained`` and ``serve`` (the compute
+    dtype is part of the store's key, so an engine and a server on one store
+    must agree on it to share entries).
+
+    ``dtype`` None: this machine's default (float32 on a CPU, the checkpoint's
+    own on CUDA: vLLM's ``"auto"``). ``vllm_args`` override any of them.
+
+    Raises:
+        UnsupportedModelError: an architecture reuse is not verified for.
+    """
+    folder, name = served_checkpoint(model)
+    args: dict[str, Any] = {
+        "model": folder,
+        "tokenizer": folder,
+        "served_model_name": name,
+        "enable_prefix_caching": True,
+        "kv_transfer_config": transfer,
+        **platform_engine_args(),
+    }
+    if dtype is not None:
+        args["dtype"] = dtype
+    args.update(vllm_args)
+    return args
+
+
 def from_pretrained(
     cls: type[VLLMEngine],
     model: str | os.PathLike | None = None,
@@ -73,9 +122,11 @@ def from_pretrained(
     cache_precision: str = "float16",
     dtype: str | None = None,
     memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES,
+    max_store_bytes: int = 0,
     cache_prefix: bool = True,
     chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
     on_miss: str = DEFAULT_ON_MISS,
+    cache_salt: str | None = None,
     **vllm_args: Any,
 ) -> VLLMEngine:
     """Start vLLM in this process with the connector, and wrap it.
@@ -89,13 +140,16 @@ def from_pretrained(
             open it (a Redis store's signing secret: ``$KVRAG_STORE_SECRET``).
             Default: a private temporary directory, removed when the process ends.
         cache_precision: how entries are stored (as ``KVRAGEngine``'s).
-        dtype: vLLM's compute dtype (default: float32 on CPU, bfloat16 on CUDA).
+        dtype: vLLM's compute dtype (default: float32 on a CPU, the checkpoint's
+            own on CUDA; as ``python -m kvrag_integrations.vllm.serve``).
         memory_tier_bytes: the worker's in-memory tier in front of ``store``.
+        max_store_bytes: the store's budget (0: none; see ``ConnectorSettings``).
         cache_prefix: reuse the prompt's leading text (as ``VLLMEngine``).
         chunk_suffix: text stored after every chunk (as ``VLLMEngine``).
         on_miss: what a request does about pieces not stored (as ``VLLMEngine``).
+        cache_salt: the tenant this engine reuses and stores in (as ``VLLMEngine``).
         **vllm_args: more of vLLM's engine arguments (``max_model_len``,
-            ``tensor_parallel_size``, ``gpu_memory_utilization``, ...).
+            ``tensor_parallel_size``, ``kv_cache_memory_bytes``, ...).
 
     Raises:
         UnsupportedModelError: an architecture reuse is not verified for (before
@@ -105,25 +159,15 @@ def from_pretrained(
 
     from kvrag_integrations.vllm.local import LocalBackend
 
-    folder, name = served_checkpoint(model)
-    args: dict[str, Any] = {
-        "model": folder,
-        "tokenizer": folder,
-        "served_model_name": name,
-        "dtype": "bfloat16",
-        "enable_prefix_caching": True,
-        "disable_log_stats": True,
-        "kv_transfer_config": _transfer(store, cache_precision, memory_tier_bytes),
-        **platform_engine_args(),
-    }
-    if dtype is not None:
-        args["dtype"] = dtype
-    args.update(vllm_args)
+    # This process is the only client: its requests are the operator's own.
+    transfer = _transfer(store, cache_precision, memory_tier_bytes, max_store_bytes)
+    args = engine_args(model, transfer, dtype=dtype, disable_log_stats=True, **vllm_args)
     for variable, value in platform_env().items():  # read as vLLM starts its engine core
         os.environ.setdefault(variable, value)
     from vllm.config import KVTransferConfig
 
     args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+    folder, name = args["model"], args["served_model_name"]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     backend = LocalBackend(args, name)
     return cls(
@@ -133,6 +177,7 @@ def from_pretrained(
         chunk_suffix=chunk_suffix,
         on_miss=on_miss,
         eos_token_ids=eos_token_ids(folder, tokenizer),
+        cache_salt=cache_salt,
     )
 
 
@@ -146,6 +191,7 @@ def connect(
     cache_prefix: bool = True,
     chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
     on_miss: str = DEFAULT_ON_MISS,
+    cache_salt: str | None = None,
     timeout: float = 600.0,
 ) -> VLLMEngine:
     """Join a running vLLM OpenAI server started with the connector.
@@ -160,6 +206,9 @@ def connect(
         cache_prefix: reuse the prompt's leading text (as ``VLLMEngine``).
         chunk_suffix: text stored after every chunk (as ``VLLMEngine``).
         on_miss: what a request does about pieces not stored (as ``VLLMEngine``).
+        cache_salt: the tenant this client reuses and stores in (as
+            ``VLLMEngine``; with an ``api_key`` the server maps to a tenant, the
+            key's tenant wins).
         timeout: seconds to wait for a connection or a piece of an answer.
     """
     from transformers import AutoTokenizer
@@ -180,6 +229,7 @@ def connect(
         chunk_suffix=chunk_suffix,
         on_miss=on_miss,
         eos_token_ids=eos,
+        cache_salt=cache_salt,
     )
 
 
@@ -195,9 +245,17 @@ def store_url(store: str | KVStore) -> str:
     )
 
 
-def _transfer(store: str | KVStore | None, precision: str, tier: int) -> dict[str, Any]:
+def _transfer(
+    store: str | KVStore | None, precision: str, tier: int, max_store_bytes: int
+) -> dict[str, Any]:
     if store is None:
         folder = tempfile.mkdtemp(prefix="kvrag-vllm-")
         atexit.register(shutil.rmtree, folder, True)
         store = f"disk:{folder}"
-    return transfer_config(store_url(store), cache_precision=precision, memory_tier_bytes=tier)
+    return transfer_config(
+        store_url(store),
+        cache_precision=precision,
+        memory_tier_bytes=tier,
+        max_store_bytes=max_store_bytes,
+        trusted_clients=True,
+    )

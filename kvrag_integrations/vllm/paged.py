@@ -26,11 +26,9 @@ from typing import Any
 
 import torch
 
+from kvrag_integrations.errors import PagedLayoutError
+
 _DIGIT = 16  # probe values per pass: exact in every float dtype, bfloat16 included
-
-
-class PagedLayoutError(RuntimeError):
-    """A layer's paged cache is not one the connector can read and write."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,14 @@ API: the request body's ``kv_transfer_params``):
   loads its longest stored prefix and vLLM computes the rest (TurboRAG).
 - ``save``: pieces of this prompt to store as entries (chunk encoding):
   ``[start, rows, []]``, the entry's ids ``prompt[start : start + rows]``.
-- ``overwrite``: store even where an entry exists.
+- ``overwrite``: store even where an entry exists (the admin role only).
+- ``tenant``: the client's own tenant salt (the namespace it reuses and stores
+  in; see ``trust``); ``grant``: what the gateway vouches for (an API key's
+  namespace and role, signed; clients cannot make one).
+
+Which of these a request may use, and under which ``cache_salt``, is
+``trust``'s to say: a request the connector does not admit loads and stores
+nothing and is computed exactly by vLLM.
 
 The key of an entry is ``cache_key(fingerprint, ids)``, the fingerprint the
 connector's (the weights it serves, the storage precision): the client never
@@ -25,25 +32,19 @@ the same key (``Reply``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.vllm.trust import Tenant, request_salt
+
 PARAMS_KEY = "kvrag"
 """The key of our part of a request's ``kv_transfer_params`` (and of the reply)."""
 
-MAX_PIECES = 4096  # more pieces than any prompt has: a bound on what a request may ask
-
-SALT_PREFIX = "kvrag-turbo-"
-"""Every salt of an approximate (turbo) request starts with this: vLLM's own prefix
-cache then never serves its blocks to a request with another salt or none."""
-
-
-class TransferParamsError(ValueError):
-    """A request's ``kv_transfer_params["kvrag"]`` is malformed (it is then ignored:
-    the request is computed by vLLM as if it carried none)."""
+MAX_PIECES = 1024  # more pieces than any prompt has: a bound on what a request may ask
+MAX_TAIL = 64  # a chunk suffix is a few tokens: a bound on a piece's tail
+_FIELDS = {"load", "save", "overwrite", "tenant", "grant"}
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,15 @@ class TransferParams:
         >>> TransferParams.from_request({"kvrag": {"load": [[1, 4, []]]}})
         Traceback (most recent call last):
         ...
-        kvrag_integrations.vllm.params.TransferParamsError: load pieces must start at 0 \
+        kvrag_integrations.errors.TransferParamsError: load pieces must start at 0 \
 and follow each other; piece 0 starts at 1, not 0
     """
 
     load: tuple[PieceSpec, ...] = ()
     save: tuple[PieceSpec, ...] = ()
     overwrite: bool = False
+    tenant: str = ""
+    grant: Mapping[str, Any] | None = None
 
     @property
     def load_end(self) -> int:
@@ -102,20 +105,21 @@ and follow each other; piece 0 starts at 1, not 0
             ours["save"] = [p.as_list() for p in self.save]
         if self.overwrite:
             ours["overwrite"] = True
+        if self.tenant:
+            ours["tenant"] = self.tenant
+        if self.grant is not None:
+            ours["grant"] = dict(self.grant)
         return {PARAMS_KEY: ours}
 
-    def salt(self) -> str | None:
-        """The ``cache_salt`` of a request that loads these pieces (None: loads none).
+    @property
+    def layout(self) -> list[list[Any]]:
+        """The load run as ``[start, rows, tail]`` lists (what salts hash)."""
+        return [p.as_list() for p in self.load]
 
-        A turbo prompt's K/V depend on where its pieces start, not only on its
-        tokens, so the salt is a hash of the layout: vLLM's prefix cache then
-        shares blocks only between requests laid out alike (the same blocks),
-        and never with an exact request (no salt, or another one).
-        """
-        if not self.load:
-            return None
-        layout = json.dumps([p.as_list() for p in self.load], separators=(",", ":"))
-        return SALT_PREFIX + hashlib.sha256(layout.encode()).hexdigest()[:32]
+    def salt(self) -> str | None:
+        """The ``cache_salt`` these params need, for a client's own tenant
+        (``trust.request_salt``; a gateway's grant salts its own way)."""
+        return request_salt(Tenant.of_salt(self.tenant), self.layout)
 
     @classmethod
     def from_request(cls, kv_transfer_params: Any) -> TransferParams | None:
@@ -131,7 +135,7 @@ and follow each other; piece 0 starts at 1, not 0
             return None
         if not isinstance(ours, Mapping):
             raise TransferParamsError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
-        unknown = set(ours) - {"load", "save", "overwrite"}
+        unknown = set(ours) - _FIELDS
         if unknown:
             raise TransferParamsError(f"unknown fields {sorted(unknown)}")
         load = _pieces(ours.get("load", []), "load")
@@ -147,7 +151,13 @@ and follow each other; piece 0 starts at 1, not 0
         overwrite = ours.get("overwrite", False)
         if not isinstance(overwrite, bool):
             raise TransferParamsError("overwrite must be true or false")
-        return cls(load, save, overwrite)
+        tenant = ours.get("tenant", "")
+        if not isinstance(tenant, str) or len(tenant) > 256:
+            raise TransferParamsError("tenant must be a string of at most 256 characters")
+        grant = ours.get("grant")
+        if grant is not None and not isinstance(grant, Mapping):
+            raise TransferParamsError("grant must be an object")
+        return cls(load, save, overwrite, tenant, grant)
 
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """Raise ``TransferParamsError`` if a piece lies beyond the prompt."""
@@ -173,6 +183,8 @@ def _pieces(raw: Any, what: str) -> tuple[PieceSpec, ...]:
             raise TransferParamsError(f"each {what} piece must be [start, rows, [tail ids]]")
         start = _int(item[0], f"{what} start", 0)
         rows = _int(item[1], f"{what} rows", 1)
+        if len(item[2]) > MAX_TAIL:
+            raise TransferParamsError(f"a {what} piece's tail has at most {MAX_TAIL} ids")
         tail = tuple(_int(t, f"{what} tail id", 0) for t in item[2])
         out.append(PieceSpec(start, rows, tail))
     return tuple(out)
@@ -190,6 +202,8 @@ class Reply:
             computed them, though its count of cached tokens still has them.
         keys: the store key of each ``save`` piece, in order.
         stored: how many of them this request wrote (the others were stored).
+        refused: why the connector did not admit the request's params ("" : it
+            did); such a request loaded and stored nothing.
     """
 
     fingerprint: str
@@ -197,6 +211,7 @@ class Reply:
     recomputed: int = 0
     keys: list[str] = field(default_factory=list)
     stored: int = 0
+    refused: str = ""
 
     def as_params(self) -> dict[str, Any]:
         return {
@@ -206,6 +221,7 @@ class Reply:
                 "recomputed": self.recomputed,
                 "keys": list(self.keys),
                 "stored": self.stored,
+                "refused": self.refused,
             }
         }
 
@@ -223,4 +239,5 @@ class Reply:
             int(ours.get("recomputed", 0)),
             [str(k) for k in ours.get("keys", [])],
             int(ours.get("stored", 0)),
+            str(ours.get("refused", "")),
         )

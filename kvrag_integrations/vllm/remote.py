@@ -20,12 +20,9 @@ from typing import Any
 
 import httpx
 
+from kvrag_integrations.errors import ServerError
 from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
 from kvrag_integrations.vllm.params import Reply
-
-
-class ServerError(RuntimeError):
-    """The vLLM server refused a request or could not be reached (its message included)."""
 
 
 class ServerBackend:

@@ -10,9 +10,17 @@ what to load into the blocks just allocated, and what to save once a prompt
 that carries ``save`` pieces has been prefilled (a long one may arrive over
 several steps: chunked prefill).
 
-An encode request for an entry that is stored already saves nothing: its
-prompt loads from the entry (exact: same tokens at the same positions) and
-vLLM computes one token, so encoding what is stored costs a one-token step.
+Nothing a request says is taken on trust (``trust``): it is admitted only
+when its ``cache_salt`` is the one of its tenant and load layout, it reads and
+writes only its tenant's entries, and it may store only its whole prompt as
+one entry, computed exactly. A request that is not admitted loads and stores
+nothing (vLLM computes it exactly); its reply says why.
+
+An encode request for an entry that is stored already saves nothing. Where
+entries are lossless (precision ``"model"``) its prompt loads from the entry
+(exact: the same tokens at the same positions, under its exact salt) and vLLM
+computes one token; otherwise vLLM computes it (a lossy load would leave
+inexact blocks under an exact salt).
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrag_integrations.chunk_kv import cache_key
-from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams, TransferParamsError
+from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
+from kvrag_integrations.vllm.trust import ClientPolicy, Tenant, request_salt
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +61,7 @@ class LoadOp:
     lo: int
     hi: int
     pieces: tuple[PieceOp, ...]
+    namespace: str = ""  # the request's tenant's (keys are scoped by it)
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,7 @@ class SaveOp:
     request_id: str
     block_ids: tuple[int, ...]
     pieces: tuple[PieceOp, ...]
+    namespace: str = ""
 
 
 @dataclass
@@ -74,7 +86,7 @@ class StepOps:
 class _Plan:
     """One request's transfers, from its first lookup to its end."""
 
-    params: TransferParams
+    tenant: Tenant
     prompt: tuple[int, ...]
     load: tuple[PieceSpec, ...]  # the load run, or the stored save pieces read back
     saves: tuple[PieceSpec, ...]  # the save pieces still to store
@@ -85,6 +97,7 @@ class _Plan:
     load_hi: int = 0  # where the last load handed to the workers ends
     recomputed: int = 0
     saved: bool = False
+    refused: str = ""
 
 
 class SchedulerSide:
@@ -96,6 +109,9 @@ class SchedulerSide:
             entry exists.
         contains: the store's existence check.
         block_ids: ``request_id -> block ids`` (vLLM's KV cache manager's).
+        policy: what requests may do (``trust.ClientPolicy``).
+        lossless: entries are stored at model precision (a stored entry's
+            encode may then load it back: exact).
     """
 
     def __init__(
@@ -103,10 +119,14 @@ class SchedulerSide:
         fingerprints: Sequence[str],
         contains: Callable[[str], bool],
         block_ids: Callable[[str], Sequence[int]],
+        policy: ClientPolicy | None = None,
+        lossless: bool = False,
     ) -> None:
         self.fingerprints = list(fingerprints)
         self.contains = contains
         self.block_ids = block_ids
+        self.policy = policy or ClientPolicy()
+        self.lossless = lossless
         self.plans: dict[str, _Plan] = {}
 
     # -------------------------------------------------------------- lookup
@@ -132,32 +152,67 @@ class SchedulerSide:
             return plan
         try:
             params = TransferParams.from_request(request.kv_transfer_params)
-            if params is None:
-                return None
-            prompt = tuple(request.prompt_token_ids or ())
-            params.check_prompt(len(prompt))
         except TransferParamsError as exc:
             logger.warning("request %s: kv_transfer_params ignored (%s)", request.request_id, exc)
             return None
-        keys = [self._key(p.entry_ids(prompt)) for p in params.save]
-        load, saves = params.load, params.save
-        if saves and not params.overwrite and all(self._stored(p.entry_ids(prompt)) for p in saves):
-            # Stored already: read back instead of saving (a one-token step).
-            load, saves = (saves[0],) if saves[0].start == 0 and len(saves) == 1 else (), ()
-        plan = _Plan(params, prompt, load, saves, keys)
+        if params is None:
+            return None
+        prompt = tuple(request.prompt_token_ids or ())
+        try:
+            plan = self._admit(params, prompt, getattr(request, "cache_salt", None))
+        except TransferParamsError as exc:
+            logger.warning("request %s: not admitted (%s)", request.request_id, exc)
+            plan = _Plan(Tenant(), prompt, (), (), [], refused=str(exc))
         self.plans[request.request_id] = plan
         return plan
 
-    def _key(self, entry_ids: Sequence[int], rank: int = 0) -> str:
-        return cache_key(self.fingerprints[rank], list(entry_ids))
+    def _admit(self, params: TransferParams, prompt: tuple[int, ...], salt: str | None) -> _Plan:
+        """The plan of an admitted request (``trust``'s rules).
 
-    def _stored(self, entry_ids: Sequence[int]) -> bool:
-        return all(self.contains(self._key(entry_ids, r)) for r in range(len(self.fingerprints)))
+        Raises:
+            TransferParamsError: the request may not do what it asks.
+        """
+        params.check_prompt(len(prompt))
+        loads = bool(params.load)
+        policy = self.policy
+        tenant, role = policy.tenant_and_role(params.tenant, params.grant, salt, loads)
+        if (salt or None) != request_salt(tenant, params.layout):
+            raise TransferParamsError(
+                "its cache_salt is not the one of its tenant and load layout "
+                "(kvrag_integrations.vllm.trust.request_salt)"
+            )
+        saves = params.save
+        if saves:
+            if role == "read":
+                raise TransferParamsError("this caller may not store entries")
+            if loads or saves != (PieceSpec(0, len(prompt)),):
+                raise TransferParamsError(
+                    "a request stores only its whole prompt, as one entry, loading nothing"
+                )
+            if len(prompt) > policy.max_entry_tokens:
+                raise TransferParamsError(
+                    f"an entry has at most {policy.max_entry_tokens} tokens, not {len(prompt)}"
+                )
+            if params.overwrite and role != "admin":
+                raise TransferParamsError("overwriting entries needs the admin role")
+        keys = [self._key(p.entry_ids(prompt), tenant) for p in saves]
+        load = params.load
+        if saves and not params.overwrite and self._stored(prompt, tenant):
+            # Stored already: nothing to save; read back only where that is exact.
+            load, saves = ((saves[0],) if self.lossless else ()), ()
+        return _Plan(tenant, prompt, load, saves, keys)
+
+    def _key(self, entry_ids: Sequence[int], tenant: Tenant, rank: int = 0) -> str:
+        return cache_key(tenant.fingerprint(self.fingerprints[rank]), list(entry_ids))
+
+    def _stored(self, entry_ids: Sequence[int], tenant: Tenant) -> bool:
+        ranks = range(len(self.fingerprints))
+        return all(self.contains(self._key(entry_ids, tenant, r)) for r in ranks)
 
     def _stored_end(self, plan: _Plan) -> int:
         end = 0
         for piece in plan.load:
-            if not self._stored(piece.entry_ids(plan.prompt)):
+            if not self._stored(piece.entry_ids(plan.prompt), plan.tenant):
                 break
             end = piece.end
         return end
@@ -179,12 +234,14 @@ class SchedulerSide:
             if plan.pending:
                 lo, hi = computed - plan.pending, computed
                 pieces = _overlapping(plan.load, plan.prompt, lo, hi)
-                ops.loads.append(LoadOp(request_id, self._blocks(request_id), lo, hi, pieces))
+                blocks = self._blocks(request_id)
+                ops.loads.append(LoadOp(request_id, blocks, lo, hi, pieces, plan.tenant.namespace))
                 # (a request preempted and resumed loads again: this load is what counts)
                 plan.loaded, plan.pending, plan.load_hi = hi - lo, 0, hi
             if plan.saves and not plan.saved and computed + count >= len(plan.prompt):
                 pieces = _overlapping(plan.saves, plan.prompt, 0, len(plan.prompt))
-                ops.saves.append(SaveOp(request_id, self._blocks(request_id), pieces))
+                blocks = self._blocks(request_id)
+                ops.saves.append(SaveOp(request_id, blocks, pieces, plan.tenant.namespace))
                 plan.saved = True
         return ops
 
@@ -206,8 +263,10 @@ class SchedulerSide:
         plan = self.plans.pop(request_id, None)
         if plan is None:
             return None
-        reply = Reply(self.fingerprints[0], plan.loaded, plan.recomputed, plan.keys)
+        fingerprint = plan.tenant.fingerprint(self.fingerprints[0])
+        reply = Reply(fingerprint, plan.loaded, plan.recomputed, plan.keys)
         reply.stored = len(plan.saves) if plan.saved else 0
+        reply.refused = plan.refused
         return reply
 
 

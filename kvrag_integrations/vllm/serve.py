@@ -14,41 +14,53 @@ to vLLM as is::
         --store disk:/srv/kv -- --tensor-parallel-size 2
 
 ``--print-command`` prints the command instead of running it.
+
+Every HTTP client is untrusted (docs/deployment.md, "On vLLM"): the connector
+admits a request only under the salt of its tenant and layout, lets it store
+only its whole prompt as one entry, and overwrite nothing. The operator's
+settings: ``--tenant-keys FILE`` (API keys mapped to tenants and roles:
+``gateway``), ``--client-role`` (what callers without such a key may do),
+``--max-store-bytes`` (the store's budget), ``--max-entry-tokens``.
+``$KVRAG_SERVER_SECRET`` signs the gateway's grants (one is made per launch
+where unset).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvrag_integrations.chunk_kv import PRECISIONS
-from kvrag_integrations.vllm.config import DEFAULT_MEMORY_TIER_BYTES, transfer_config_json
-from kvrag_integrations.vllm.loading import platform_engine_args, platform_env, served_checkpoint
+from kvrag_integrations.vllm.config import (
+    DEFAULT_MAX_ENTRY_TOKENS,
+    DEFAULT_MEMORY_TIER_BYTES,
+    transfer_config,
+)
+from kvrag_integrations.vllm.gateway import KEYS_ENV, KeyFile
+from kvrag_integrations.vllm.loading import engine_args, platform_env
+from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV
+
+GATEWAY = "kvrag_integrations.vllm.gateway.TenantGateway"
 
 
 def server_command(
-    model: str | None, store: str, precision: str, tier: int, rest: list[str]
+    model: str | None, store: str, rest: list[str], middleware: bool = False, **settings: Any
 ) -> list[str]:
-    """The vLLM server's command line for ``model`` with the connector on ``store``."""
-    folder, name = served_checkpoint(model)
-    config = transfer_config_json(store, cache_precision=precision, memory_tier_bytes=tier)
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        folder,
-        "--served-model-name",
-        name,
-        "--kv-transfer-config",
-        config,
-        "--enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-    ]
-    return command + _flags(platform_engine_args()) + rest
+    """The vLLM server's command line for ``model`` with the connector on ``store``
+    (``settings``: the connector's, ``ConnectorSettings``), the engine arguments
+    ``VLLMEngine.from_pretrained`` uses, and cached-token counts in the usage."""
+    args = engine_args(model, transfer_config(store, **settings))
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    command += [*_flags(args), "--enable-prompt-tokens-details"]
+    if middleware:
+        command += ["--middleware", GATEWAY]
+    return command + rest
 
 
 def _flags(engine_args: dict[str, Any]) -> list[str]:
@@ -56,6 +68,8 @@ def _flags(engine_args: dict[str, Any]) -> list[str]:
     flags: list[str] = []
     for key, value in engine_args.items():
         flag = "--" + key.replace("_", "-")
+        if isinstance(value, dict):
+            value = json.dumps(value, separators=(",", ":"))
         flags += [flag] if value is True else [flag, str(value)]
     return flags
 
@@ -71,16 +85,46 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--cache-precision", default="float16", choices=PRECISIONS)
     parser.add_argument("--memory-tier-bytes", type=int, default=DEFAULT_MEMORY_TIER_BYTES)
+    parser.add_argument(
+        "--tenant-keys", default=None, help="JSON file: API keys -> tenant namespace and role"
+    )
+    parser.add_argument(
+        "--client-role",
+        default="write",
+        choices=ROLES,
+        help="what callers without a tenant key may do (default: write = encode chunks)",
+    )
+    parser.add_argument(
+        "--max-store-bytes", type=int, default=0, help="the store's budget (0: none)"
+    )
+    parser.add_argument("--max-entry-tokens", type=int, default=DEFAULT_MAX_ENTRY_TOKENS)
     parser.add_argument("--print-command", action="store_true", help="print, do not run")
     args, rest = parser.parse_known_args(argv)
     rest = [a for a in rest if a != "--"]
+    env = {**platform_env(), **os.environ}
+    env.setdefault(SECRET_ENV, secrets.token_hex(32))
+    role = args.client_role
+    if args.tenant_keys is not None:
+        if "--api-key" in rest:
+            parser.error("with --tenant-keys, list every key in the key file, not --api-key")
+        keys = KeyFile.load(args.tenant_keys)  # checked before vLLM starts
+        env[KEYS_ENV] = str(Path(args.tenant_keys).resolve())
+        role = "read" if keys.anonymous == "none" else keys.anonymous
     command = server_command(
-        args.model, args.store, args.cache_precision, args.memory_tier_bytes, rest
+        args.model,
+        args.store,
+        rest,
+        middleware=args.tenant_keys is not None,
+        cache_precision=args.cache_precision,
+        memory_tier_bytes=args.memory_tier_bytes,
+        client_role=role,
+        max_store_bytes=args.max_store_bytes,
+        max_entry_tokens=args.max_entry_tokens,
     )
     if args.print_command:
         print(shlex.join(command))
         return
-    os.execvpe(command[0], command, {**platform_env(), **os.environ})
+    os.execvpe(command[0], command, env)
 
 
 if __name__ == "__main__":

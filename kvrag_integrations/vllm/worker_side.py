@@ -13,13 +13,17 @@ if it were valid.
 
 Saving (after the step's forward): the piece's K/V are read back out of the
 blocks (``PagedLayout``), stored in the configured precision under the key of
-its ids. A failed write is logged; the piece is then a miss for later requests.
+its ids, in the request's tenant's namespace. A write the store's budget
+cannot hold (``StoreBudget``: least recently used entries are evicted first)
+is skipped. A failed write is logged; the piece is then a miss for later
+requests.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,12 +33,15 @@ from kvrag_integrations.chunk_kv import ChunkKV, cache_key
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store import KVStore
+from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.vllm.paged import PagedLayout, write
 from kvrag_integrations.vllm.scheduler_side import LoadOp, PieceOp, SaveOp
+from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_TOUCH_EVERY_S = 60.0  # how often a hot entry's use is recorded in the store
 
 
 def layer_index(name: str) -> int:
@@ -53,10 +60,20 @@ class WorkerSide:
         fingerprint: this worker's storage fingerprint (its rank's heads).
         precision: how saved entries are stored.
         layout: the model's layout (layers, KV heads per rank, head size, rotary).
+        budget: the store's budget (None: unbounded).
     """
 
-    def __init__(self, store: KVStore, fingerprint: str, precision: str, layout: ModelLayout):
+    def __init__(
+        self,
+        store: KVStore,
+        fingerprint: str,
+        precision: str,
+        layout: ModelLayout,
+        budget: StoreBudget | None = None,
+    ):
         self.store = store
+        self.budget = budget
+        self._touched: dict[str, float] = {}
         self.fingerprint = fingerprint
         self.precision = precision
         self.layout = layout
@@ -104,7 +121,7 @@ class WorkerSide:
         ready: list[tuple[PieceOp, ChunkKV]] = []
         failed_at: int | None = None
         for piece in op.pieces:
-            kv = self._entry(piece)
+            kv = self._entry(piece, op.namespace)
             if kv is None:
                 failed_at = max(piece.start, op.lo)
                 break
@@ -126,10 +143,14 @@ class WorkerSide:
         )
         return max(0, first * size - op.lo)
 
-    def _entry(self, piece: PieceOp) -> ChunkKV | None:
-        key = cache_key(self.fingerprint, list(piece.entry_ids))
+    def _fingerprint(self, namespace: str) -> str:
+        return Tenant(namespace).fingerprint(self.fingerprint)
+
+    def _entry(self, piece: PieceOp, namespace: str) -> ChunkKV | None:
+        fingerprint = self._fingerprint(namespace)
+        key = cache_key(fingerprint, list(piece.entry_ids))
         try:
-            kv = self.store.get(key, self.fingerprint)  # verified; a bad entry is a miss
+            kv = self.store.get(key, fingerprint)  # verified; a bad entry is a miss
         except Exception as exc:  # a store that cannot be reached: a miss
             logger.warning("entry %s not read (%s); recomputed", key[:16], exc)
             return None
@@ -144,7 +165,17 @@ class WorkerSide:
             logger.warning("entry %s has another shape %s; recomputed", key[:16], kv.keys.shape)
             self.store.delete(key)
             return None
+        self._used(key)
         return kv
+
+    def _used(self, key: str) -> None:
+        """Record a use in the store (what its budget evicts by), once a minute per entry."""
+        now = time.monotonic()
+        if now - self._touched.get(key, -_TOUCH_EVERY_S) >= _TOUCH_EVERY_S:
+            if len(self._touched) > 65536:
+                self._touched.clear()
+            self._touched[key] = now
+            self.store.touch(key)
 
     def _write(self, op: LoadOp, ready: list[tuple[PieceOp, ChunkKV]], hi: int) -> None:
         """Per layer: the rows of every piece in ``lo .. hi``, keys moved, one write."""
@@ -174,8 +205,11 @@ class WorkerSide:
         stored = 0
         for piece in op.pieces:
             try:
-                kv = self._read(op, piece)
-                self.store.put(kv.stored_as(self.precision))
+                kv = self._read(op, piece).stored_as(self.precision)
+                if self.budget is not None and not self.budget.admit(_entry_bytes(kv)):
+                    logger.warning("request %s: entry larger than the store", op.request_id)
+                    continue
+                self.store.put(kv)
                 stored += 1
             except StoreWriteError as exc:
                 logger.warning("request %s: entry not stored (%s)", op.request_id, exc)
@@ -192,7 +226,8 @@ class WorkerSide:
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         ids = torch.tensor(piece.entry_ids, dtype=torch.long)
-        return ChunkKV(ids, torch.stack(keys), torch.stack(values), self.fingerprint)
+        fingerprint = self._fingerprint(op.namespace)
+        return ChunkKV(ids, torch.stack(keys), torch.stack(values), fingerprint)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
@@ -201,3 +236,8 @@ class WorkerSide:
     def take_failed_loads(self) -> dict[str, int]:
         failed, self.failed_loads = self.failed_loads, {}
         return failed
+
+
+def _entry_bytes(kv: ChunkKV) -> int:
+    """About what an entry takes in the store: its tensors and a header."""
+    return kv.nbytes + 4096

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 
+from kvrag_integrations.errors import KVRAGError
 from kvrag_integrations.vllm.params import (
     PARAMS_KEY,
-    SALT_PREFIX,
     PieceSpec,
     Reply,
     TransferParams,
     TransferParamsError,
 )
+from kvrag_integrations.vllm.trust import TURBO_SALT_PREFIX as SALT_PREFIX
 
 RUN = (PieceSpec(0, 41), PieceSpec(41, 590), PieceSpec(631, 582, (1116,)))
 
@@ -44,12 +45,16 @@ def test_a_request_without_ours_carries_none() -> None:
         ({"load": [[0, 5, []], [6, 5, []]]}, "piece 1 starts at 6, not 5"),
         ({"load": [[0, True, []]]}, "rows must be an integer"),
         ({"save": [[0, 5, []]], "overwrite": "yes"}, "overwrite must be true or false"),
-        ({"load": [[0, 1, []]] * 5000}, "at most 4096 pieces"),
+        ({"load": [[0, 1, []]] * 5000}, "at most 1024 pieces"),
+        ({"load": [[0, 1, list(range(65))]]}, "tail has at most 64 ids"),
+        ({"tenant": 7}, "tenant must be a string"),
+        ({"grant": "admin"}, "grant must be an object"),
     ],
 )
 def test_malformed_params_are_refused_with_a_reason(ours: object, match: str) -> None:
-    with pytest.raises(TransferParamsError, match=match):
+    with pytest.raises(TransferParamsError, match=match) as caught:
         TransferParams.from_request({PARAMS_KEY: ours})
+    assert isinstance(caught.value, KVRAGError)  # one base class for users to catch
 
 
 def test_pieces_beyond_the_prompt_are_refused() -> None:
@@ -67,10 +72,13 @@ def test_the_salt_names_the_layout_not_only_the_tokens() -> None:
     assert TransferParams(load=moved).salt() != salt  # same tokens, other boundaries
     assert TransferParams(load=RUN[:2]).salt() != salt
     assert TransferParams().salt() is None  # an exact request has none
+    tenant = TransferParams(load=RUN, tenant="team-a").salt()
+    assert tenant != salt and tenant.startswith(SALT_PREFIX)  # tenants never share blocks
+    assert TransferParams(tenant="team-a").salt() == "team-a"  # its exact requests: its salt
 
 
 def test_the_reply_is_read_back_from_an_output() -> None:
-    reply = Reply("fp+kv-float16", loaded=1213, keys=["a" * 64], stored=1)
+    reply = Reply("fp+kv-float16", loaded=1213, keys=["a" * 64], stored=1, refused="no")
     assert Reply.from_output(reply.as_params()) == reply
     assert Reply.from_output(None) is None
     assert Reply.from_output({PARAMS_KEY: {"loaded": 3}}) is None  # no fingerprint: not ours

@@ -8,12 +8,13 @@ beside the transformers engine the comparisons use.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from redis_helpers import free_port
-from vllm_helpers import Corpus, VLLMServer
+from vllm_helpers import KV_CACHE_BYTES, Corpus, VLLMServer
 
 from kvrag_integrations.bench.common import load_items
 from kvrag_integrations.vllm.engine import VLLMEngine
@@ -44,7 +45,7 @@ def vllm_engine(vllm_store: Path) -> Iterator[VLLMEngine]:
         cache_precision="model",
         max_model_len=4096,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        gpu_memory_utilization=0.15,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
     )
     yield engine
     engine.close()
@@ -55,13 +56,27 @@ def redis_servers_store(redis_server) -> str:  # type: ignore[no-untyped-def]
     return redis_server.url
 
 
+# API keys of the replicas: a tenant each, and no anonymous writes.
+SERVER_KEYS = {
+    "keys": {
+        "sk-team-a": {"namespace": "team-a", "role": "write"},
+        "sk-team-b": {"namespace": "team-b", "role": "write"},
+    },
+    "anonymous": "write",
+}
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(
     redis_servers_store: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[VLLMServer]]:
-    """Two vLLM OpenAI servers with the connector sharing one Redis store (replicas)."""
+    """Two vLLM OpenAI servers with the connector sharing one Redis store (replicas)
+    and one key file (each with a secret of its own, as replicas started apart)."""
     workdir = tmp_path_factory.mktemp("vllm-servers")
-    servers = [VLLMServer(redis_servers_store, workdir, free_port()) for _ in range(2)]
+    keys = workdir / "keys.json"
+    keys.write_text(json.dumps(SERVER_KEYS))
+    extra = ["--tenant-keys", str(keys)]
+    servers = [VLLMServer(redis_servers_store, workdir, free_port(), extra) for _ in range(2)]
     try:
         yield [server.wait() for server in servers]  # started together, awaited in turn
     finally:

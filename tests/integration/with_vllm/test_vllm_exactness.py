@@ -3,6 +3,7 @@ the in-process engine's turbo on the same model (float32, entries at model preci
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
@@ -79,22 +80,31 @@ def test_approximate_blocks_never_serve_an_exact_request(
     assert max_logprob_gap(full.first_token_logprobs, first) < 1e-5
 
 
-def test_without_the_salt_an_exact_request_would_be_served_turbo_blocks(
+def test_the_same_layout_sent_unsalted_loads_nothing(
     vllm_engine: VLLMEngine, musique: Corpus
 ) -> None:
-    """What the salt prevents (so the test above can fail): the same turbo layout
-    sent unsalted leaves its approximate blocks where a plain request finds them."""
+    """Before the connector checked salts, the same turbo layout sent unsalted left
+    its approximate blocks where a plain request found them (more than half the
+    prompt served, log-probabilities moved by more than 1e-3). Now it loads
+    nothing: a plain request after it equals a fresh computation."""
     item, chunks = musique.item(12), musique.chunks(12, 2, tag="unsalted")
     vllm_engine.encode_chunks(chunks, show_progress=False)
     vllm_engine.generate(question=item.question, chunks=chunks, max_new_tokens=1)  # leading text
     prompt = vllm_engine.tokenize(vllm_engine.build_segments(question=item.question, chunks=chunks))
     ids = prompt.input_ids.tolist()
-    _, fresh_first, _ = exact_reference(vllm_engine, ids, 8)
     run = load_run(vllm_engine.prompts, cache_leading_text(prompt))
-    send(vllm_engine, ids, salt=None, params=TransferParams(load=run).as_request())
-    _, poisoned_first, cached = exact_reference(vllm_engine, ids, 8, salt=None)
-    assert cached > 0.5 * len(ids)  # served the approximate blocks (whole ones)
-    assert max_logprob_gap(poisoned_first, fresh_first) > 1e-3
+    (event,) = [
+        e
+        for e in send(vllm_engine, ids, salt=None, params=TransferParams(load=run).as_request())
+        if e.reply
+    ]
+    assert event.reply.loaded == 0 and "cache_salt" in event.reply.refused
+    _, after_first, _ = exact_reference(vllm_engine, ids, 8, salt=None)
+    # the same path on exact blocks: asked twice under a salt of its own
+    salt = f"exact-{uuid.uuid4().hex}"
+    exact_reference(vllm_engine, ids, 8, salt=salt)
+    _, exact_first, _ = exact_reference(vllm_engine, ids, 8, salt=salt)
+    assert max_logprob_gap(after_first, exact_first) < 1e-5
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "foreign", "other-shape", "missing"])

@@ -93,7 +93,7 @@ def test_turbo_through_vllm_equals_the_in_process_turbo(
         store=f"disk:{tmp_path / 'kv'}",
         cache_precision="model",
         max_model_len=4096,
-        gpu_memory_utilization=0.08,
+        kv_cache_memory_bytes=256 * 2**20,
         tensor_parallel_size=ranks,
     )
     engine = KVRAGEngine.from_pretrained(

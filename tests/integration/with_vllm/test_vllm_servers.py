@@ -7,8 +7,10 @@ and a plain OpenAI client.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
-from vllm_helpers import Corpus, VLLMServer, needs_vllm
+from vllm_helpers import Corpus, VLLMServer, exact_reference, max_logprob_gap, needs_vllm
 
 from kvrag_integrations.vllm.engine import VLLMEngine
 
@@ -55,6 +57,54 @@ def test_a_plain_openai_request_after_turbo_equals_a_fresh_computation(
     assert turbo.reused_chunks == 2
     after = plain()
     assert after.choices[0].text == fresh.choices[0].text
-    details = after.usage.prompt_tokens_details
-    assert details is None or (details.cached_tokens or 0) < 128  # no turbo block served
+    details = after.usage.prompt_tokens_details  # the server always reports them
+    assert details.cached_tokens < 128  # no turbo block served
     engine.close()
+
+
+def test_encoding_a_stored_lossy_entry_leaves_no_lossy_block_unsalted(
+    vllm_servers: list[VLLMServer], musique: Corpus
+) -> None:
+    """Encoded through one replica (float16 entries), encoded again through the other,
+    whose prefix cache does not have it: the second must not load the float16 copy
+    into blocks an exact request can be served."""
+    first, second = (VLLMEngine.connect(s.url) for s in vllm_servers)
+    item, (chunk,) = musique.item(42), musique.chunks(42, 1, tag="lossy")
+    first.encode_chunks([chunk], show_progress=False)
+    second.encode_chunks([chunk], show_progress=False)  # stored: nothing written
+    entry = second.prompts.chunks_to_encode([chunk])[0][1].tolist()
+    ids = entry + second.tokenizer(f"\nQuestion: {item.question}")["input_ids"]
+    plain = exact_reference(second, ids, max_new_tokens=1, salt=None)
+    # the same path on exact blocks: asked twice under a salt of its own
+    salt = f"exact-{uuid.uuid4().hex}"
+    exact_reference(second, ids, max_new_tokens=1, salt=salt)
+    exact = exact_reference(second, ids, max_new_tokens=1, salt=salt)
+    assert max_logprob_gap(plain[1], exact[1]) < 1e-5
+    first.close()
+    second.close()
+
+
+def test_a_tenants_chunks_follow_its_key_across_replicas_and_no_one_elses(
+    vllm_servers: list[VLLMServer], musique: Corpus
+) -> None:
+    url_1, url_2 = (s.url for s in vllm_servers)
+    item, chunks = musique.item(43), musique.chunks(43, 2, tag="tenant-replicas")
+    VLLMEngine.connect(url_1, api_key="sk-team-a").encode_chunks(chunks, show_progress=False)
+    team_a = VLLMEngine.connect(url_2, api_key="sk-team-a")  # the other replica
+    asked = dict(question=item.question, chunks=chunks, max_new_tokens=1)
+    assert team_a.generate(**asked).reused_chunks == 2
+    salted = VLLMEngine.connect(url_1, cache_salt="tenant-s")
+    salted.encode_chunks(chunks, show_progress=False)
+    again = VLLMEngine.connect(url_2, cache_salt="tenant-s")
+    assert again.generate(**asked).reused_chunks == 2
+    for other in (
+        VLLMEngine.connect(url_2, api_key="sk-team-b"),
+        VLLMEngine.connect(url_2),
+        VLLMEngine.connect(url_2, cache_salt="tenant-t"),
+    ):
+        seen = other.generate(**asked)
+        assert (seen.reused_chunks, seen.reused_chunk_tokens) == (0, 0)
+        other.close()
+    team_a.close()
+    salted.close()
+    again.close()

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,8 @@ from kvrag_integrations.vllm.backend import BackendRequest, sampling_args
 from kvrag_integrations.vllm.engine import VLLMEngine
 
 TOP = 20  # log-probabilities compared per first token
+# Each vLLM of the tests gets a KV cache of this size (several run at once).
+KV_CACHE_BYTES = 768 * 2**20
 
 
 def needs_vllm() -> None:
@@ -77,12 +80,12 @@ def logprobs_of(logits: torch.Tensor, ids: list[int]) -> dict[int, float]:
 class VLLMServer:
     """``python -m kvrag_integrations.vllm.serve`` on a free port, until stopped."""
 
-    def __init__(self, store: str, workdir: Path, port: int) -> None:
+    def __init__(self, store: str, workdir: Path, port: int, extra: Sequence[str] = ()) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = workdir / f"vllm-{port}.log"
         args = [sys.executable, "-m", "kvrag_integrations.vllm.serve", "--store", store]
         args += ["--port", str(port), "--max-model-len", "4096"]
-        args += ["--gpu-memory-utilization", "0.12"]
+        args += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *extra]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 

@@ -1,0 +1,207 @@
+"""The OpenAI server's door for API keys that map to tenants (``serve --tenant-keys``).
+
+vLLM's own ``--api-key`` lets a key in, and nothing more. This ASGI middleware
+runs in vLLM's API server before vLLM reads a request: it looks the request's
+bearer key up in the operator's key file, refuses an unknown one where the
+file admits no anonymous caller (401), and rewrites the body of completion and
+chat requests so that the key, not the client, decides the tenant:
+
+- our ``kv_transfer_params["kvrag"]`` get a ``grant`` (the key's namespace and
+  role, signed with the server's secret: ``trust.Grant``), and lose any
+  ``tenant`` or ``grant`` the client sent;
+- ``cache_salt`` becomes the one the connector derives for that tenant and the
+  request's load layout (``trust.request_salt``), so vLLM's prefix cache keeps
+  the tenant's blocks apart too; a request without our params gets the
+  tenant's exact salt;
+- params of ours that do not parse are dropped: the request runs exactly, as
+  plain vLLM.
+
+Requests without a key (where admitted) pass unchanged: the connector applies
+its own rules to them (the anonymous role, the client's own salt).
+
+The key file (JSON)::
+
+    {"keys": {"sk-team-a": {"namespace": "team-a", "role": "write"},
+              "sk-ops": {"namespace": "", "role": "admin"}},
+     "anonymous": "read"}
+
+``namespace`` "" is the shared one; ``anonymous``: the role of callers without
+a listed key (``"none"``: they are refused); it is passed to the connector as
+its ``client_role``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.vllm.params import PARAMS_KEY, TransferParams
+from kvrag_integrations.vllm.trust import ROLES, Grant, Tenant, request_salt, server_secret
+
+KEYS_ENV = "KVRAG_TENANT_KEYS"
+"""The path of the key file (``serve --tenant-keys`` sets it for vLLM's processes)."""
+
+_GUARDED = ("/v1/", "/v2/", "/inference/")
+_REWRITTEN = ("/completions", "/chat/completions", "/responses")
+_MAX_BODY = 64 * 2**20  # a request body read whole to rewrite it
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class KeyFile:
+    """API keys and what each may do (see the module docstring)."""
+
+    keys: Mapping[str, Grant]
+    anonymous: str  # a role, or "none"
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> KeyFile:
+        """Read and check a key file.
+
+        Raises:
+            ValueError: it is not of the documented form.
+        """
+        raw = json.loads(Path(path).read_text())
+        if not isinstance(raw, dict) or not isinstance(raw.get("keys"), dict):
+            raise ValueError(f"{path}: expected {{'keys': {{KEY: {{namespace, role}}}}, ...}}")
+        keys = {}
+        for key, entry in raw["keys"].items():
+            if not isinstance(entry, dict) or entry.get("role", "write") not in ROLES:
+                raise ValueError(f"{path}: each key has a namespace and a role of {ROLES}")
+            namespace = entry.get("namespace", "")
+            if not isinstance(namespace, str):
+                raise ValueError(f"{path}: a namespace is a string")
+            keys[str(key)] = Grant(namespace, entry.get("role", "write"))
+        anonymous = raw.get("anonymous", "write")
+        if anonymous not in (*ROLES, "none"):
+            raise ValueError(f"{path}: anonymous is one of {(*ROLES, 'none')}")
+        return cls(keys, anonymous)
+
+
+class TenantGateway:
+    """ASGI middleware (vLLM's ``--middleware``): API keys decide tenants and rights.
+
+    Configured from the environment (``$KVRAG_TENANT_KEYS``, ``$KVRAG_SERVER_SECRET``)
+    since vLLM builds it with no arguments.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        path = os.environ.get(KEYS_ENV)
+        if not path:
+            raise RuntimeError(f"TenantGateway needs ${KEYS_ENV} (serve --tenant-keys sets it)")
+        secret = server_secret()
+        if secret is None:
+            raise RuntimeError("TenantGateway needs $KVRAG_SERVER_SECRET (serve sets one)")
+        self.secret = secret
+        self.keys = KeyFile.load(path)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope.get("type") != "http" or not path.startswith(_GUARDED):
+            await self.app(scope, receive, send)
+            return
+        grant = self.keys.keys.get(_bearer(scope))
+        if grant is None and self.keys.anonymous == "none":
+            await _answer(send, 401, {"error": "Unauthorized"})
+            return
+        if grant is None or scope.get("method") != "POST" or not path.endswith(_REWRITTEN):
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        if body is None:
+            await _answer(send, 413, {"error": "request body too large"})
+            return
+        body = self.rewrite(body, grant)
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        await self.app(scope, _replay(body, receive), send)
+
+    def rewrite(self, body: bytes, grant: Grant) -> bytes:
+        """The body of a keyed request with its tenant's grant and salt."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return body  # vLLM answers a body that is not JSON
+        if not isinstance(data, dict):
+            return body
+        tenant = (
+            Tenant.of_key_namespace(grant.namespace, self.secret) if grant.namespace else Tenant()
+        )
+        transfer = data.get("kv_transfer_params")
+        params = None
+        if isinstance(transfer, dict) and PARAMS_KEY in transfer:
+            try:
+                params = TransferParams.from_request(transfer)
+            except TransferParamsError:
+                transfer = {k: v for k, v in transfer.items() if k != PARAMS_KEY}
+                data["kv_transfer_params"] = transfer  # runs exactly, as plain vLLM
+        if params is not None:
+            ours = dict(transfer[PARAMS_KEY])  # type: ignore[index]
+            ours.pop("tenant", None)
+            ours["grant"] = grant.signed(self.secret)
+            data["kv_transfer_params"] = {**transfer, PARAMS_KEY: ours}  # type: ignore[dict-item]
+            salt = request_salt(tenant, params.layout)
+        elif grant.namespace:
+            salt = tenant.salt  # exact requests of the tenant stay apart in vLLM's cache
+        else:
+            return json.dumps(data).encode()
+        if salt is None:
+            data.pop("cache_salt", None)
+        else:
+            data["cache_salt"] = salt
+        return json.dumps(data).encode()
+
+
+def _bearer(scope: Scope) -> str:
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > _MAX_BODY:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The rewritten body, then the client's own messages (a stream learns of its
+    client's disconnect from them)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _answer(send: Send, status: int, content: dict[str, Any]) -> None:
+    payload = json.dumps(content).encode()
+    length = str(len(payload)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", length)]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
