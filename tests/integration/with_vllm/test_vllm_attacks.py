@@ -30,6 +30,7 @@ from redis_helpers import free_port
 from vllm_helpers import TOP, Corpus, VLLMServer, max_logprob_gap, needs_vllm
 
 from kvrag_integrations.chunk_kv import cache_key
+from kvrag_integrations.engine.prompting.segments import cache_leading_text
 from kvrag_integrations.store import DiskKVStore
 from kvrag_integrations.vllm.engine import VLLMEngine
 from kvrag_integrations.vllm.requests import load_run
@@ -191,10 +192,12 @@ def test_a_load_under_a_salt_not_its_own_loads_nothing(
 ) -> None:
     item, chunks = musique.item(53), musique.chunks(53, 2, tag=f"salt-{salt}")
     target.honest.encode_chunks(chunks, show_progress=False)
+    honest_answer(target, item.question, chunks)  # every piece stored, the head included
     prompt = target.honest.tokenize(
         target.honest.build_segments(question=item.question, chunks=chunks)
     )
-    layout = [p.as_list() for p in load_run(target.honest.prompts, prompt)]
+    layout = [p.as_list() for p in load_run(target.honest.prompts, cache_leading_text(prompt))]
+    assert len(layout) == 3  # the template's head and both chunks
     ids = prompt.input_ids.tolist()
     body: dict[str, Any] = {"prompt": ids, "kv_transfer_params": {"kvrag": {"load": layout}}}
     if salt is not None:
@@ -215,7 +218,7 @@ def test_a_tenant_learns_nothing_of_anothers_chunks(target: Target, musique: Cor
     assert mine.reused_chunks == 2
     # a raw request with a grant for team-a that the server did not sign loads nothing
     prompt = team_a.tokenize(team_a.build_segments(question=item.question, chunks=stored))
-    layout = [p.as_list() for p in load_run(team_a.prompts, prompt)]
+    layout = [p.as_list() for p in load_run(team_a.prompts, cache_leading_text(prompt))]
     forged = {"namespace": "team-a", "role": "write", "mac": "0" * 64}
     for key in (None, "sk-team-b"):
         body = {
