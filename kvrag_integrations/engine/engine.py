@@ -18,7 +18,6 @@ from kvrag_integrations.engine.caching.entries import (
     ChunkRef,
 )
 from kvrag_integrations.engine.frontend import EngineFrontend
-from kvrag_integrations.engine.modeling.generate import GenerationResult
 from kvrag_integrations.engine.modeling.model import LoadedModel
 from kvrag_integrations.engine.modeling.sampling import SamplingParams
 from kvrag_integrations.engine.prompting.segments import Chunk, Segment, Text
@@ -29,7 +28,7 @@ from kvrag_integrations.engine.request import (
     plan_prefill,
     prepare,
 )
-from kvrag_integrations.engine.results import PrefillResult
+from kvrag_integrations.engine.results import GenerationResult, PrefillResult
 from kvrag_integrations.engine.scheduling.background import BackgroundEncoder
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvrag_integrations.engine.caching.prompt_tokenizer import PromptTokenizer
-from kvrag_integrations.engine.modeling.generate import GenerationResult
 from kvrag_integrations.engine.prompting import prompts
 from kvrag_integrations.engine.prompting.segments import Segment, TokenizedPrompt
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
+from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream, Job
 from kvrag_integrations.errors import check_fits
 

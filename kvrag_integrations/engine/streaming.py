@@ -29,10 +29,11 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvrag_integrations.engine.modeling.generate import GenerationResult, decode
+from kvrag_integrations.engine.modeling.generate import decode
 from kvrag_integrations.engine.modeling.sampling import SamplingParams
 from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
 from kvrag_integrations.engine.request import Request, RequestOptions, plan_prefill, prepare
+from kvrag_integrations.engine.results import GenerationResult
 
 if TYPE_CHECKING:
     from kvrag_integrations.engine.engine import KVRAGEngine

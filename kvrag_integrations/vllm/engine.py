@@ -37,7 +37,6 @@ from tqdm.auto import tqdm
 from kvrag_integrations.engine.caching.entries import DEFAULT_CHUNK_SUFFIX, ChunkRef
 from kvrag_integrations.engine.caching.prompt_tokenizer import PromptTokenizer
 from kvrag_integrations.engine.frontend import EngineFrontend
-from kvrag_integrations.engine.modeling.generate import GenerationResult
 from kvrag_integrations.engine.modeling.sampling import SamplingParams, check_int
 from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
 from kvrag_integrations.engine.prompting.segments import (
@@ -45,6 +44,7 @@ from kvrag_integrations.engine.prompting.segments import (
     cache_leading_text,
 )
 from kvrag_integrations.engine.request import Request, RequestOptions, prepare
+from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, check_on_miss
 from kvrag_integrations.engine.streaming import Job
 from kvrag_integrations.vllm.backend import Backend, BackendRequest, sampling_args
