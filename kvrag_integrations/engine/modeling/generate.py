@@ -1,4 +1,4 @@
-"""Decoding on top of any strategy's prompt cache: stops, incremental text.
+"""Decoding on top of any strategy's prompt cache: stops, incremental text, log-probabilities.
 
 The result it fills (``GenerationResult``) lives with the other result types in
 ``engine/results.py``.
@@ -42,7 +42,19 @@ __all__ = [
     "sampling_params",
     "stop_string_criteria",
     "to_dynamic_cache",
+    "top_logprobs",
 ]
+
+
+def top_logprobs(logits: torch.Tensor, k: int, also: Sequence[int] = ()) -> dict[int, float]:
+    """``{token id: log-probability}`` of the ``k`` likeliest tokens under ``logits``
+    (a log-softmax in float32 of the raw logits: before temperature or penalties,
+    as vLLM's logprobs), and of the tokens in ``also``."""
+    logprobs = torch.log_softmax(logits.detach().float().reshape(-1), dim=-1)
+    values, ids = logprobs.topk(min(k, logprobs.numel()))
+    top = dict(zip(ids.tolist(), values.tolist()))
+    top.update({int(i): float(logprobs[int(i)]) for i in also if int(i) not in top})
+    return top
 
 
 def to_dynamic_cache(kv: PromptKV) -> Any:
