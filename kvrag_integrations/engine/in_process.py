@@ -35,7 +35,7 @@ from kvrag_integrations.engine.strategies import Strategy, make_strategy
 from kvrag_integrations.engine.streaming import acquire
 from kvrag_integrations.store import KVStore
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvrag_integrations.engine.request")  # the name docs give it
 
 __all__ = ["InProcessEngine", "answer", "gather_missing", "plan_prefill"]
 
