@@ -3,10 +3,10 @@
 from kvrag_integrations.chunk_kv import CACHE_KEY_FIELD, ChunkKV, cache_key
 from kvrag_integrations.engine.caching.entries import ChunkRef
 from kvrag_integrations.engine.engine import KVRAGEngine
-from kvrag_integrations.engine.modeling.generate import GenerationResult, SamplingParams
+from kvrag_integrations.engine.modeling.sampling import SamplingParams
 from kvrag_integrations.engine.prompting.segments import Chunk, Segment, Text
 from kvrag_integrations.engine.request import RequestOptions
-from kvrag_integrations.engine.results import PrefillResult
+from kvrag_integrations.engine.results import GenerationResult, PrefillResult
 from kvrag_integrations.engine.strategies import (
     DEFAULT_STRATEGY,
     STRATEGIES,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,23 +19,16 @@ from kvrag_integrations.engine.caching.entries import (
     ChunkRef,
 )
 from kvrag_integrations.engine.frontend import EngineFrontend
-from kvrag_integrations.engine.modeling.generate import GenerationResult
+from kvrag_integrations.engine.in_process import answer, plan_prefill
 from kvrag_integrations.engine.modeling.model import LoadedModel
 from kvrag_integrations.engine.modeling.sampling import SamplingParams
 from kvrag_integrations.engine.prompting.segments import Chunk, Segment, Text
-from kvrag_integrations.engine.request import (
-    ON_MISS,
-    RequestOptions,
-    check_on_miss,
-    plan_prefill,
-    prepare,
-)
-from kvrag_integrations.engine.results import PrefillResult
+from kvrag_integrations.engine.request import ON_MISS, Request, RequestOptions, check_on_miss
+from kvrag_integrations.engine.results import GenerationResult, PrefillResult
 from kvrag_integrations.engine.scheduling.background import BackgroundEncoder
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream, Job
-from kvrag_integrations.engine.streaming import open_request as open_engine_request
 from kvrag_integrations.store import KVStore, MemoryKVStore
 from kvrag_integrations.store.budget import memory_budget
 
@@ -289,8 +283,7 @@ class KVRAGEngine(registry.EngineLoading, EngineFrontend):
         """
         sampling = SamplingParams(max_new_tokens=max_new_tokens)
         options = RequestOptions(strategy, strategy_options, sampling, on_miss)
-        request = prepare(
-            self,
+        request = self.prepare(
             options,
             segments=segments,
             question=question,
@@ -328,9 +321,7 @@ class KVRAGEngine(registry.EngineLoading, EngineFrontend):
         return self.encoder.wait(timeout)
 
     # ------------------------------------------------------------- generate
-    def open_request(
-        self, question: str | None, chunks: Sequence[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Job, GenerationResult]:
-        """The request's work on this engine: ``streaming.answer`` (caches read,
+    def request_job(self, request: Request, result: GenerationResult) -> Job:
+        """The request's work on this engine: ``in_process.answer`` (caches read,
         then prefill and decoding under the forward lock)."""
-        return open_engine_request(self, question, chunks, kwargs)
+        return partial(answer, self, request, result)

@@ -1,39 +1,52 @@
-"""What every engine does the same way in front of its model: prompts and streams.
+"""What every engine does the same way in front of its model: the one front door.
 
 ``EngineFrontend`` is the request-facing half that ``KVRAGEngine`` (transformers,
-in process) and ``VLLMEngine`` (vLLM, in process or a server) share: the prompt
-built from a question and chunks, segments or messages (``prompts``), its
-tokenization into pieces pointed at their entries (``PromptTokenizer``), the
-context-window check, and ``generate`` / ``stream`` / ``astream`` over one
-``open_request`` each engine implements. The adapters depend on these methods
-only (``engine.protocol.RAGEngine``), never on which engine answers.
+in process) and ``VLLMEngine`` (vLLM, in process or a server) share: a call's
+options merged and checked (``RequestOptions``), the prompt built from a
+question and chunks, segments or messages (``prompts``), its tokenization into
+pieces pointed at their entries (``PromptTokenizer``), the context-window check
+(``prepare``, ``open_request``), and ``generate`` / ``stream`` / ``astream``.
+Each engine supplies only its job: ``request_job`` (the work that answers a
+prepared ``Request``) and, where it cannot run something, ``check_options``.
+The adapters depend on the protocol only (``engine.protocol.RAGEngine``), never
+on which engine answers.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 from kvrag_integrations.engine.caching.prompt_tokenizer import PromptTokenizer
-from kvrag_integrations.engine.modeling.generate import GenerationResult
 from kvrag_integrations.engine.prompting import prompts
-from kvrag_integrations.engine.prompting.segments import Segment, TokenizedPrompt
+from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
+from kvrag_integrations.engine.prompting.segments import (
+    DEFAULT_INSTRUCTION,
+    Segment,
+    TokenizedPrompt,
+)
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
+from kvrag_integrations.engine.request import Request, RequestOptions
+from kvrag_integrations.engine.results import GenerationResult
+from kvrag_integrations.engine.strategies import make_strategy
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream, Job
 from kvrag_integrations.errors import check_fits
 
 
 class EngineFrontend(ABC):
-    """Prompts, the context window and the three ways to answer, over ``open_request``.
+    """Options, prompts, the context window and the three ways to answer.
 
-    A subclass sets ``tokenizer``, ``prompts`` (its ``PromptTokenizer``) and
-    ``context_window``, and implements ``open_request``.
+    A subclass sets ``tokenizer``, ``prompts`` (its ``PromptTokenizer``),
+    ``on_miss`` (its default miss policy) and ``context_window``, and
+    implements ``request_job``.
     """
 
     tokenizer: Any
     prompts: PromptTokenizer
+    on_miss: str
 
     @property
     @abstractmethod
@@ -41,17 +54,88 @@ class EngineFrontend(ABC):
         """The most prompt and answer tokens a request may hold."""
 
     @abstractmethod
+    def request_job(self, request: Request, result: GenerationResult) -> Job:
+        """This engine's work for a prepared request: run by a stream's worker (or
+        ``generate``'s caller), it yields text pieces and fills ``result``."""
+
+    def check_options(self, options: RequestOptions) -> None:  # noqa: B027 (a hook)
+        """Refuse, at the call, options this engine cannot honour
+        (``UnsupportedInputError``); every engine takes the rest."""
+
+    # ------------------------------------------------------------- requests
     def open_request(
         self, question: str | None, chunks: Sequence[str] | None, kwargs: dict[str, Any]
     ) -> tuple[Job, GenerationResult]:
         """Check a request (options first, then the prompt: a bad one raises here,
         on the caller's thread) and return the work a stream's worker runs, with
         the result that work fills."""
+        kwargs = dict(kwargs)
+        prompt = {name: kwargs.pop(name) for name in PROMPT_ARGS if name in kwargs}
+        options = RequestOptions().merged(kwargs)
+        request = self.prepare(options, question=question, chunks=chunks, **prompt)
+        result = GenerationResult(strategy=request.strategy.name)
+        return self.request_job(request, result), result
+
+    def prepare(
+        self,
+        options: RequestOptions,
+        *,
+        segments: Sequence[Segment] | None = None,
+        question: str | None = None,
+        chunks: Sequence[str] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
+        known_chunks: Sequence[str] = (),
+        system_prompt: str | None = None,
+        chat_template: bool = True,
+    ) -> Request:
+        """Check ``options`` (``check_options``) and tokenize the prompt; no store
+        read, no forward. The prompt must fit with ``max_new_tokens`` to spare."""
+        started = time.perf_counter()
+        self.check_options(options)
+        strategy = make_strategy(options.strategy, **options.strategy_options)
+        segs = self.build_segments(
+            question=question,
+            chunks=chunks,
+            segments=segments,
+            messages=messages,
+            known_chunks=known_chunks,
+            system_prompt=system_prompt,
+            chat_template=chat_template,
+        )
+        prompt = self.tokenize(segs)
+        if prompt.num_tokens == 0:
+            raise ValueError("the prompt is empty")
+        self.check_fits(prompt.num_tokens, "the prompt", options.sampling.max_new_tokens)
+        on_miss = self.on_miss if options.on_miss is None else options.on_miss
+        return Request(strategy, prompt, on_miss, started, options.sampling, options.logprobs)
 
     # ------------------------------------------------------------- prompts
-    # The prompt as segments, chat template applied (its arguments and checks:
-    # prompts.build_segments, which takes the engine as its first argument).
-    build_segments = prompts.build_segments
+    def build_segments(
+        self,
+        *,
+        question: str | None = None,
+        chunks: Sequence[str] | None = None,
+        segments: Sequence[Segment] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
+        known_chunks: Sequence[str] = (),
+        system_prompt: str | None = None,
+        instruction: str = DEFAULT_INSTRUCTION,
+        chat_template: bool = True,
+    ) -> list[Segment]:
+        """The prompt as segments, chat template applied (``prompts.build_segments``
+        with this engine's tokenizer and chunk index: its arguments and checks)."""
+        return prompts.build_segments(
+            self.tokenizer,
+            self.chunk_index,
+            question=question,
+            chunks=chunks,
+            segments=segments,
+            messages=messages,
+            known_chunks=known_chunks,
+            system_prompt=system_prompt,
+            instruction=instruction,
+            chat_template=chat_template,
+        )
 
     @property
     def chunk_index(self) -> ChunkIndex:
@@ -108,8 +192,9 @@ class EngineFrontend(ABC):
                 question/chunks, ``strategy`` ("full", "turbo" (default), "blend"),
                 ``system_prompt``, ``chat_template``, ``max_new_tokens`` (256),
                 ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
-                ``stop``, ``stop_token_ids``, ``on_miss`` and strategy options (e.g.
-                ``positions="composite"`` for turbo).
+                ``stop``, ``stop_token_ids``, ``on_miss``, ``logprobs`` (the first
+                token's top-k log-probabilities in ``first_token_logprobs``) and
+                strategy options (e.g. ``positions="composite"`` for turbo).
 
         Returns:
             A ``GenerationResult`` with text, TTFT and token accounting.

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvrag_integrations.engine.caching.entries import ChunkRef
-from kvrag_integrations.engine.modeling.generate import GenerationResult
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
+from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream
 
 

@@ -20,6 +20,10 @@
 - **Loading** (``EngineLoading``, a base of ``KVRAGEngine``): its
   ``from_pretrained`` (load, and register as the model's default) and
   ``shared`` (the registered engine) classmethods.
+
+This module imports no engine: the class that loads a missing shared engine is
+the one ``shared`` is called on, or ``EngineLoading``'s first subclass
+(``KVRAGEngine``, which imports this module).
 """
 
 from __future__ import annotations
@@ -28,12 +32,11 @@ import logging
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
-    from kvrag_integrations.engine.engine import KVRAGEngine
     from kvrag_integrations.store import KVStore
 
 logger = logging.getLogger("kvrag_integrations.engine.engine")
@@ -89,6 +92,7 @@ class SharedEngines:
         dtype: Any = None,
         store: Any = None,
         cache_precision: str | None = None,
+        engine_class: type[EngineLoading] | None = None,
     ) -> Any:
         """The shared engine for these arguments, built on first use.
 
@@ -96,27 +100,34 @@ class SharedEngines:
         With them: an engine with that store (the same object) and precision.
         A new engine reuses the weights of any engine already shared for
         ``(model, device, dtype)``, and loads them only if there is none.
+        ``engine_class`` builds it (default: ``KVRAGEngine``).
         """
         key = shared_key(model, device, dtype, store, cache_precision)
         with self._lock:
             engine = self._engines.get(key)
             if engine is not None and (store is None or engine.store is store):
                 return engine
-            engine = self._build(model, device, dtype, store, cache_precision)
+            engine = self._build(model, device, dtype, store, cache_precision, engine_class)
             self._engines[key] = engine
             return engine
 
     def _build(
-        self, model: Any, device: Any, dtype: Any, store: Any, cache_precision: str | None
+        self,
+        model: Any,
+        device: Any,
+        dtype: Any,
+        store: Any,
+        cache_precision: str | None,
+        engine_class: type[EngineLoading] | None,
     ) -> Any:
-        from kvrag_integrations.engine.engine import KVRAGEngine
-
         precision = cache_precision or "float16"
         named = shared_key(model, device, dtype)[:3]
         for key, engine in self._engines.items():
             if key[:3] == named:  # the weights are loaded: one copy, one forward lock
-                return KVRAGEngine(engine.loaded, store=store, cache_precision=precision)
-        return KVRAGEngine.from_pretrained(
+                build = engine_class or type(engine)
+                return build(engine.loaded, store=store, cache_precision=precision)  # type: ignore[call-arg]
+        build = engine_class or EngineLoading.default_class()
+        return build.from_pretrained(
             model, device=device, dtype=dtype, store=store, cache_precision=precision, share=False
         )
 
@@ -197,12 +208,29 @@ def prefetch(texts: list[str]) -> None:
             logger.debug("prefetch failed", exc_info=True)
 
 
+E = TypeVar("E", bound="EngineLoading")
+
+
 class EngineLoading:
     """How engines come from a model name: ``KVRAGEngine``'s loading classmethods."""
 
+    _first: ClassVar[type[EngineLoading] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if EngineLoading._first is None:  # KVRAGEngine: what SharedEngines loads by default
+            EngineLoading._first = cls
+
+    @staticmethod
+    def default_class() -> type[EngineLoading]:
+        """The engine class ``SharedEngines`` loads with unless told (``KVRAGEngine``)."""
+        if EngineLoading._first is None:
+            raise RuntimeError("no engine class is defined yet (import kvrag_integrations)")
+        return EngineLoading._first
+
     @classmethod
     def from_pretrained(
-        cls,
+        cls: type[E],
         model: str | os.PathLike | None = None,
         *,
         device: str | torch.device | None = "cpu",
@@ -215,7 +243,7 @@ class EngineLoading:
         cache_precision: str = "float16",
         reuse: bool = True,
         **engine_options: Any,
-    ) -> KVRAGEngine:
+    ) -> E:
         """Load a model (HF id, local path, ``.gguf`` file; None = bundled SmolLM2).
 
         Args:
@@ -253,21 +281,21 @@ class EngineLoading:
             attn_implementation=attn_implementation,
             reuse=reuse,
         )
-        engine = cls(loaded, store=store, cache_precision=cache_precision, **engine_options)
+        engine = cls(loaded, store=store, cache_precision=cache_precision, **engine_options)  # type: ignore[call-arg]
         if share or (share is None and adapter is None):
             shared_engines.register(engine, model, device=device, dtype=dtype, replace=bool(share))
-        return engine  # type: ignore[return-value]
+        return engine
 
     @classmethod
     def shared(
-        cls,
+        cls: type[E],
         model: str | os.PathLike | None = None,
         *,
         device: str | torch.device | None = "cpu",
         dtype: str | torch.dtype | None = None,
         store: KVStore | None = None,
         cache_precision: str | None = None,
-    ) -> KVRAGEngine:
+    ) -> E:
         """The process's shared engine for these arguments, loaded on first use.
 
         Adapters built without an engine (``KVRAGLLM()``, ``ChatKVRAG(model=...)``)
@@ -280,5 +308,10 @@ class EngineLoading:
         whose ``reset()`` forgets them.
         """
         return shared_engines.get(
-            model, device=device, dtype=dtype, store=store, cache_precision=cache_precision
+            model,
+            device=device,
+            dtype=dtype,
+            store=store,
+            cache_precision=cache_precision,
+            engine_class=cls,
         )

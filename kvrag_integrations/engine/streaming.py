@@ -13,7 +13,9 @@ the lock.
 
 ``GenerationStream`` reads the channel by blocking; ``AsyncGenerationStream``
 awaits it (the worker wakes the event loop with ``call_soon_threadsafe``), so
-the adapters' async paths need no thread of their own.
+the adapters' async paths need no thread of their own. What a worker runs is
+a ``Job``: the engine's answer to one request (``EngineFrontend.open_request``),
+whichever engine it is.
 """
 
 from __future__ import annotations
@@ -25,17 +27,11 @@ import contextvars
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvrag_integrations.engine.modeling.generate import GenerationResult, decode
-from kvrag_integrations.engine.modeling.sampling import SamplingParams
-from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
-from kvrag_integrations.engine.request import Request, RequestOptions, plan_prefill, prepare
-
-if TYPE_CHECKING:
-    from kvrag_integrations.engine.engine import KVRAGEngine
+from kvrag_integrations.engine.results import GenerationResult
 
 _TEXT, _DONE, _ERROR = "text", "done", "error"
 
@@ -92,65 +88,6 @@ def acquire(lock: Any, cancel: threading.Event, poll_s: float = 0.05) -> bool:
         lock.release()
         return False
     return True
-
-
-def open_request(
-    engine: KVRAGEngine,
-    question: str | None,
-    chunks: Sequence[str] | None,
-    kwargs: dict[str, Any],
-) -> tuple[Job, GenerationResult]:
-    """Check a request (its options first: ``RequestOptions``, then the prompt)
-    and return the work a stream's worker runs, with the result that work fills."""
-    kwargs = dict(kwargs)
-    prompt = {name: kwargs.pop(name) for name in PROMPT_ARGS if name in kwargs}
-    options = RequestOptions().merged(kwargs)
-    request = prepare(engine, options, question=question, chunks=chunks, **prompt)
-    result = GenerationResult()
-    return partial(answer, engine, request, options.sampling, result), result
-
-
-def answer(
-    engine: KVRAGEngine,
-    request: Request,
-    params: SamplingParams,
-    result: GenerationResult,
-    cancel: threading.Event,
-) -> Iterator[str]:
-    """One request: its caches read, then prefill and decoding under the forward lock.
-
-    The request counts as foreground work on the forward lock from its planning
-    on (background encoding pauses for it), and the lock is released before the
-    fallback's missed chunks are queued for background encoding, so the encoder
-    never runs between prefill and decoding.
-    """
-    lock = engine.loaded.lock
-    pre = None
-    try:
-        with lock.request():  # from here on, background encoding pauses for this request
-            prefill = plan_prefill(engine, request)
-            if not acquire(lock, cancel):
-                result.finish_reason = "cancelled"
-                return
-            try:
-                pre = prefill()
-                pre.fill(result)
-                yield from decode(
-                    engine.model,
-                    engine.tokenizer,
-                    pre.output.kv,
-                    pre.output.logits,
-                    params,
-                    result,
-                    request.started,
-                    engine.eos_token_ids,
-                    cancel,
-                )
-            finally:
-                lock.release()
-    finally:
-        if pre is not None:  # misses of a fallback: encoded once this request is answered
-            result.deferred_chunks = engine.queue_deferred(pre)
 
 
 # Every worker thread still alive, with its cancel event: exit stops them

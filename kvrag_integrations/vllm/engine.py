@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -38,14 +38,14 @@ from tqdm.auto import tqdm
 from kvrag_integrations.engine.caching.entries import DEFAULT_CHUNK_SUFFIX, ChunkRef
 from kvrag_integrations.engine.caching.prompt_tokenizer import PromptTokenizer
 from kvrag_integrations.engine.frontend import EngineFrontend
-from kvrag_integrations.engine.modeling.generate import GenerationResult
 from kvrag_integrations.engine.modeling.sampling import SamplingParams, check_int
-from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
 from kvrag_integrations.engine.prompting.segments import (
     TokenizedPrompt,
     cache_leading_text,
 )
-from kvrag_integrations.engine.request import Request, RequestOptions, prepare
+from kvrag_integrations.engine.request import Request, RequestOptions
+from kvrag_integrations.engine.results import GenerationResult
+from kvrag_integrations.engine.scheduling.ledger import EncodeLedger
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, check_on_miss
 from kvrag_integrations.engine.streaming import Job
 from kvrag_integrations.errors import ConnectorMissingError, TransferParamsError
@@ -78,6 +78,8 @@ class VLLMEngine(EngineFrontend):
             ``"encode"`` encodes them first.
         eos_token_ids: ids that end an answer (default: the tokenizer's EOS).
         max_in_flight: encode requests in flight at once (vLLM batches them).
+        max_pending: the most background encodes waiting to start (more are
+            skipped: a later request asks again), as ``KVRAGEngine``'s.
         cache_salt: this client's tenant (vLLM's ``cache_salt``, a secret its
             holders share): requests reuse and store only the tenant's entries,
             and vLLM's prefix cache keeps its blocks apart. None: the shared
@@ -94,6 +96,7 @@ class VLLMEngine(EngineFrontend):
         on_miss: str = DEFAULT_ON_MISS,
         eos_token_ids: Sequence[int] | None = None,
         max_in_flight: int = 32,
+        max_pending: int = 256,
         cache_salt: str | None = None,
     ) -> None:
         self.backend = backend
@@ -106,7 +109,8 @@ class VLLMEngine(EngineFrontend):
         self.eos_token_ids = sorted({int(i) for i in eos if i is not None})
         self._fingerprint: str | None = None
         self._pool = ThreadPoolExecutor(check_int("max_in_flight", max_in_flight, minimum=1))
-        self._background: dict[tuple[int, ...], Future[Reply]] = {}
+        # Background encodes by entry ids: each once, bounded (the in-process one's ledger).
+        self._background: EncodeLedger[tuple[int, ...]] = EncodeLedger(max_pending)
         self._prefixes: dict[tuple[int, ...], None] = {}  # leading texts encoded (ordered)
         self._lock = threading.Lock()
 
@@ -209,49 +213,29 @@ class VLLMEngine(EngineFrontend):
         return reply
 
     def encode_in_background(self, entries: Sequence[Sequence[int]]) -> int:
-        """Queue encode requests for entries (by ids) not queued yet; how many were."""
+        """Queue encode requests for entries (by ids) not queued yet; how many were
+        (past ``max_pending`` waiting, the rest are skipped)."""
         params = TransferParams(tenant=self.tenant)
-        queued = 0
-        with self._lock:
-            for entry in map(tuple, entries):
-                held = self._background.get(entry)
-                if held is None or held.done():
-                    future = self._pool.submit(self._encode, entry, params)
-                    future.add_done_callback(_log_failure)
-                    self._background[entry] = future
-                    queued += 1
-        return queued
+        return sum(
+            self._background.submit(entry, partial(self._pool.submit, self._encode, entry, params))
+            for entry in map(tuple, entries)
+        )
 
     def wait_for_encoding(self, timeout: float | None = None) -> bool:
         """Wait for background encodes; False if ``timeout`` (s) ran out first."""
-        with self._lock:
-            pending = list(self._background.values())
-        done, left = wait(pending, timeout=timeout)
-        with self._lock:
-            for entry in [e for e, f in self._background.items() if f in done]:
-                self._background.pop(entry, None)
-        return not left
+        return self._background.wait(None, timeout)
 
     # --------------------------------------------------------------- requests
-    def open_request(
-        self, question: str | None, chunks: Sequence[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Job, GenerationResult]:
-        """Check a request (a strategy vLLM cannot run is refused here) and return
-        the work a stream's worker runs."""
-        kwargs = dict(kwargs)
-        logprobs = kwargs.pop("logprobs", None)
-        if logprobs is not None:
-            check_int("logprobs", logprobs, minimum=1)
-        prompt_args = {name: kwargs.pop(name) for name in PROMPT_ARGS if name in kwargs}
-        options = RequestOptions().merged(kwargs)
+    def check_options(self, options: RequestOptions) -> None:
+        """Refuse at the call what vLLM cannot run (``requests.check_strategy``)."""
         check_strategy(options)
-        request = prepare(self, options, question=question, chunks=chunks, **prompt_args)
+
+    def request_job(self, request: Request, result: GenerationResult) -> Job:
+        """The work a stream's worker runs for a prepared request (``_answer``)."""
         if request.strategy.name == "turbo" and self.cache_prefix:
             request.prompt = cache_leading_text(request.prompt)
         self.prompts.remember(request.prompt)
-        result = GenerationResult(strategy=request.strategy.name)
-        job = partial(self._answer, request, options.sampling, logprobs, result)
-        return job, result
+        return partial(self._answer, request, request.sampling, request.logprobs, result)
 
     def _answer(
         self,
@@ -314,15 +298,10 @@ class VLLMEngine(EngineFrontend):
         what this request needs to reuse them); how many chunks were awaited."""
         ids = prompt.input_ids.tolist()
         kinds = [p.kind for p in prompt.cached_pieces]
-        with self._lock:
-            pending = [
-                (kind, future)
-                for kind, piece in zip(kinds, run)
-                if (future := self._background.get(tuple(piece.entry_ids(ids)))) is not None
-                and not future.done()
-            ]
-        wait([f for _, f in pending])
-        return sum(kind == "chunk" for kind, _ in pending)
+        entries = [(kind, tuple(piece.entry_ids(ids))) for kind, piece in zip(kinds, run)]
+        pending = self._background.pending(entry for _, entry in entries)
+        self._background.wait(pending)
+        return sum(kind == "chunk" and entry in pending for kind, entry in entries)
 
     def _ensure_prefix(self, prompt: TokenizedPrompt, head: PieceSpec) -> None:
         """Encode the cached leading text the first time it is seen: the whole run
@@ -345,6 +324,7 @@ class VLLMEngine(EngineFrontend):
 
     def close(self) -> None:
         """Stop background encoding and release vLLM (or the connection)."""
+        self._background.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
 
@@ -353,9 +333,3 @@ class VLLMEngine(EngineFrontend):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _log_failure(future: Future[Reply]) -> None:
-    """A background encode that failed leaves its piece a miss: say why, once."""
-    if not future.cancelled() and future.exception() is not None:
-        logger.warning("background chunk encoding failed: %s", future.exception())

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvrag_integrations.engine.caching.prompt_tokenizer import PromptTokenizer
-from kvrag_integrations.engine.modeling.generate import GenerationResult
 from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
 from kvrag_integrations.engine.request import RequestOptions
+from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.vllm.params import PieceSpec
 

@@ -222,23 +222,17 @@ class _BaseModelTokenizer:
         return {"input_ids": ([2] if self.adds_bos else []) + [7] * len(text)}
 
 
-class _Engine:
-    chunk_index = None
-
-    def __init__(self, tokenizer: object) -> None:
-        self.tokenizer = tokenizer
-
-
 @pytest.mark.parametrize("adds_bos", [True, False])
 def test_plain_prompt_starts_with_bos_where_the_tokenizer_adds_it(adds_bos: bool) -> None:
     """Without a chat template the prompt we lay out starts as ``tokenizer(text)``
     would (BOS for Gemma, Llama base models) and ends with an answer cue; segments
     given as the whole prompt are left as they are."""
     from kvrag_integrations.engine.prompting.prompts import PLAIN_ANSWER_CUE, build_segments
+    from kvrag_integrations.engine.prompting.spans import ChunkIndex
 
-    engine = _Engine(_BaseModelTokenizer(adds_bos))
-    segs = build_segments(engine, question="Who?", chunks=[FACT])
+    tokenizer = _BaseModelTokenizer(adds_bos)
+    segs = build_segments(tokenizer, ChunkIndex(), question="Who?", chunks=[FACT])
     assert (segs[0] == Text("<bos>", markup=True)) is adds_bos
     assert segs[-1] == Text(PLAIN_ANSWER_CUE) and PLAIN_ANSWER_CUE.endswith("Answer:")
     given = [Chunk(FACT), Text("Q?")]
-    assert build_segments(engine, segments=given) == given
+    assert build_segments(tokenizer, ChunkIndex(), segments=given) == given

@@ -20,12 +20,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from kvrag_integrations.engine.modeling.generate import GenerationResult, _StopScanner
+from kvrag_integrations.engine.modeling.generate import _StopScanner
 from kvrag_integrations.engine.modeling.sampling import (
     SamplingParams,
     choose_token,
     logits_processors,
 )
+from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.streaming import (
     AsyncGenerationStream,
     GenerationStream,

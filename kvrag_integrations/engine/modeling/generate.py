@@ -1,11 +1,14 @@
-"""Decoding on top of any strategy's prompt cache: stops, incremental text, results."""
+"""Decoding on top of any strategy's prompt cache: stops, incremental text, log-probabilities.
+
+The result it fills (``GenerationResult``) lives with the other result types in
+``engine/results.py``.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,9 +29,10 @@ from kvrag_integrations.engine.modeling.sampling import (
 if TYPE_CHECKING:
     from transformers import StopStringCriteria
 
+    from kvrag_integrations.engine.results import GenerationResult
+
 __all__ = [
     "SAMPLING_ARGS",
-    "GenerationResult",
     "SamplingParams",
     "TextDecoder",
     "check_int",
@@ -38,91 +42,19 @@ __all__ = [
     "sampling_params",
     "stop_string_criteria",
     "to_dynamic_cache",
+    "top_logprobs",
 ]
 
 
-# What GenerationResult.stats leaves out: the answer itself, not numbers about it.
-_NOT_STATS = frozenset({"text", "token_ids", "first_token_logits", "first_token_logprobs"})
-
-
-@dataclass
-class GenerationResult:
-    """One answer and what it cost.
-
-    Attributes:
-        text: the generated text (stop string excluded).
-        ttft_s: seconds from the request to the first token's logits.
-        reused_tokens: prompt tokens whose stored K/V were used as is: chunk tokens
-            plus the cached leading text (``reused_chunk_tokens +
-            reused_prefix_tokens``).
-        recomputed_tokens: cached tokens computed again (CacheBlend).
-        prefilled_tokens: prompt tokens computed from scratch.
-        generated_tokens: tokens decoded.
-        prompt_tokens: all prompt tokens.
-        strategy: the strategy's name.
-        finish_reason: ``"stop"`` (EOS or stop string), ``"length"``, or
-            ``"cancelled"`` (the stream's consumer stopped reading).
-        total_s: seconds for the whole request.
-        token_ids: the generated ids.
-        reused_prefix_tokens: the part of ``reused_tokens`` that is the prompt's
-            cached leading text (system prompt, template header, instruction).
-        reused_chunk_tokens: the part of ``reused_tokens`` that is retrieved chunks.
-        lazily_encoded_chunks: chunks encoded on the request path (``encoded_chunks``
-            plus ``taken_over_chunks``).
-        fallback: ``"uncached"`` when chunks of the prompt were not cached and it
-            was answered by plain prefill instead of reuse (``"evicted"``: some
-            of them had been stored and were evicted since), else None.
-        deferred_chunks: chunks left to background encoding by this request
-            (queued by it, or already queued).
-        reused_chunks: chunks whose stored cache was read.
-        awaited_chunks: chunks being encoded elsewhere (the background worker,
-            another request) that this request waited for and used.
-        taken_over_chunks: chunks queued for background encoding (an earlier
-            request deferred them) that this request took over and encoded
-            itself; owed work, so their tokens count as reused.
-        encoded_chunks: missing chunks encoded on the request path (a lazy fill;
-            their tokens count as prefilled).
-        evicted_chunks: missing chunks this engine had stored before (evicted
-            from a bounded store, or lost).
-        miss_policy: the ``on_miss`` policy that decided (``"auto"``, ...).
-        miss_reason: why the request reused or answered by full prefill.
-        first_token_logits: float32 logits of the first generated token.
-        first_token_logprobs: ``{token id: log-probability}`` of the first generated
-            token's likeliest tokens, where the engine reports those instead of
-            logits (``VLLMEngine`` with ``logprobs=k``).
-    """
-
-    text: str = ""
-    ttft_s: float = 0.0
-    reused_tokens: int = 0
-    recomputed_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    strategy: str = ""
-    finish_reason: str = "length"
-    total_s: float = 0.0
-    token_ids: list[int] = field(default_factory=list)
-    first_token_logits: torch.Tensor | None = field(default=None, repr=False)
-    lazily_encoded_chunks: int = 0
-    reused_prefix_tokens: int = 0
-    reused_chunk_tokens: int = 0
-    fallback: str | None = None
-    deferred_chunks: int = 0
-    reused_chunks: int = 0
-    awaited_chunks: int = 0
-    taken_over_chunks: int = 0
-    encoded_chunks: int = 0
-    evicted_chunks: int = 0
-    miss_policy: str = ""
-    miss_reason: str = ""
-    first_token_logprobs: dict[int, float] | None = field(default=None, repr=False)
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """The numbers as a plain dict (for logs and framework metadata): every
-        field but the text, the token ids and the logits."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_STATS}
+def top_logprobs(logits: torch.Tensor, k: int, also: Sequence[int] = ()) -> dict[int, float]:
+    """``{token id: log-probability}`` of the ``k`` likeliest tokens under ``logits``
+    (a log-softmax in float32 of the raw logits: before temperature or penalties,
+    as vLLM's logprobs), and of the tokens in ``also``."""
+    logprobs = torch.log_softmax(logits.detach().float().reshape(-1), dim=-1)
+    values, ids = logprobs.topk(min(k, logprobs.numel()))
+    top = dict(zip(ids.tolist(), values.tolist()))
+    top.update({int(i): float(logprobs[int(i)]) for i in also if int(i) not in top})
+    return top
 
 
 def to_dynamic_cache(kv: PromptKV) -> Any:

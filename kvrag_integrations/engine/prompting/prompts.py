@@ -1,6 +1,7 @@
 """A request's prompt as segments: question and chunks, segments or messages, templated.
 
-``build_segments`` is every engine's ``build_segments``: it checks which
+``build_segments`` is what every engine's ``build_segments`` runs (with its
+tokenizer and chunk index; it knows no engine): it checks which
 form the prompt came in, splits messages' strings at known chunks
 (``spans.message_segments``) and renders the chat template around them
 (``chat_template.render_chat``), chunks intact.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvrag_integrations.engine.prompting.chat_template import Message, render_chat
 from kvrag_integrations.engine.prompting.segments import (
@@ -24,9 +25,6 @@ from kvrag_integrations.engine.prompting.segments import (
 )
 from kvrag_integrations.engine.prompting.spans import ChunkIndex, message_segments
 
-if TYPE_CHECKING:
-    from kvrag_integrations.engine.frontend import EngineFrontend
-
 logger = logging.getLogger("kvrag_integrations.engine.engine")
 
 _ROLE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
@@ -37,7 +35,8 @@ prompt (with ``question`` and ``chunks``); the others are its ``RequestOptions``
 
 
 def build_segments(
-    engine: EngineFrontend,
+    tokenizer: Any,
+    chunk_index: ChunkIndex,
     *,
     question: str | None = None,
     chunks: Sequence[str] | None = None,
@@ -49,7 +48,7 @@ def build_segments(
     chat_template: bool = True,
 ) -> list[Segment]:
     """The prompt as segments, with the chat template applied if asked
-    (``EngineFrontend.build_segments``: this function is that method).
+    (``EngineFrontend.build_segments`` calls it with the engine's own).
 
     Exactly one of:
 
@@ -58,10 +57,9 @@ def build_segments(
       whole prompt) as ``Text`` / ``Chunk`` segments;
     - ``messages``: ``{"role", "content"}`` dicts whose content is a string
       or a list of strings and segments. Strings are split where a known
-      chunk appears: one the engine has encoded (``engine.chunk_index``), or
+      chunk appears: one the engine has encoded (``chunk_index``), or
       one of ``known_chunks`` (``spans.message_segments``).
     """
-    tokenizer = engine.tokenizer
     if sum(x is not None for x in (question, segments, messages)) != 1:
         raise ValueError("pass exactly one of question (with chunks), segments or messages")
     if chunks is not None and question is None:
@@ -72,7 +70,7 @@ def build_segments(
     if system_prompt is not None:
         chat.append(("system", [Text(check_text(system_prompt, "system_prompt"))]))
     if messages is not None:
-        chat += [_message(m, engine.chunk_index, known_chunks) for m in messages]
+        chat += [_message(m, chunk_index, known_chunks) for m in messages]
     elif segments is not None:
         bad = [type(x).__name__ for x in segments if not isinstance(x, (Text, Chunk))]
         if bad:

@@ -3,11 +3,12 @@
 A request whose chunks are not cached may answer by plain prefill and hand the
 missed chunks here (``on_miss="defer"``, or ``"auto"`` when that is cheaper);
 one worker thread encodes and stores them, so the next request that shows them
-reuses their caches. The encoder is also the engine's ledger of encodings: a
-key is *queued* (waiting for the worker) or *in flight* (being encoded, by the
-worker or by a request, each a ``Flight``), and ``claim`` hands a request the
-queued keys it needs (taken off the queue: it encodes them itself) and the
-flights it must wait for. Nothing is encoded twice, whoever gets there first.
+reuses their caches. The encoder keeps its encodings on an ``EncodeLedger``
+(``ledger.py``, the one ``VLLMEngine`` uses too), each a ``Flight`` (a future):
+a key is *queued* (waiting for the worker) or *in flight* (being encoded, by
+the worker or by a request), and ``claim`` hands a request the queued keys it
+needs (taken off the queue: it encodes them itself) and the flights it must
+wait for. Nothing is encoded twice, whoever gets there first.
 
 The worker's forwards are background work on the weights' ``ForwardLock``:
 they start only while no request runs, pause between decoder layers as soon as
@@ -22,15 +23,17 @@ import atexit
 import logging
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
+from kvrag_integrations.engine.scheduling.ledger import EncodeLedger
 from kvrag_integrations.store import KVStore
 
 logger = logging.getLogger(__name__)
@@ -40,20 +43,21 @@ Job = tuple[torch.Tensor, KVStore]  # (entry token ids, where to store it)
 _LIVE: weakref.WeakSet[BackgroundEncoder] = weakref.WeakSet()
 
 
-@dataclass(eq=False)
-class Flight:
-    """One key being encoded (by the worker or a request); waiters get its cache.
+class Flight(Future):
+    """One key's encoding: queued for the worker, then in flight (the worker's or
+    a request's); its result is the cache (None if the encoding failed).
 
-    ``queued``: the key was taken off the queue (encoding an earlier request
-    deferred). ``kv`` is set when ``done`` is (None if the encoding failed).
+    ``queued``: the key came off the queue (encoding an earlier request deferred).
     """
 
-    key: str
-    ids: torch.Tensor
-    store: KVStore
-    queued: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-    kv: ChunkKV | None = None
+    def __init__(self, key: str, ids: torch.Tensor, store: KVStore, queued: bool = False) -> None:
+        super().__init__()
+        self.key, self.ids, self.store, self.queued = key, ids, store, queued
+
+    @property
+    def kv(self) -> ChunkKV | None:
+        """The cache, once encoded (None: not done, failed or cancelled)."""
+        return self.result() if self.done() and not self.cancelled() else None
 
 
 @dataclass
@@ -79,7 +83,7 @@ class BackgroundEncoder:
     with nothing to do (so an engine that is dropped leaves no thread behind).
     ``submit`` never blocks: past ``max_pending`` queued chunks, new ones are
     dropped (counted in ``dropped``) and will simply be deferred again by a
-    later request.
+    later request. Its queue and flights are one ``EncodeLedger`` (``ledger``).
 
     Args:
         encode: encodes and stores ``[(ids, store), ...]`` (one unit), returning
@@ -106,39 +110,46 @@ class BackgroundEncoder:
         if max_pending < 1 or batch_size < 1:
             raise ValueError("max_pending and batch_size must be >= 1")
         self._encode = encode
-        self.max_pending = max_pending
+        self.ledger: EncodeLedger[str] = EncodeLedger(max_pending)
         self.batch_size = batch_size
         self.idle_s = idle_s
         self._lock = lock
         self._model = model
-        self._cond = threading.Condition()
-        self._queue: OrderedDict[str, Job] = OrderedDict()
-        self._flights: dict[str, Flight] = {}
+        self._cond = self.ledger.cond  # one lock for the queue, the flights and the worker
         self._finished = 0  # encodings finished so far (see Claim.stale)
         self._thread: threading.Thread | None = None
         self.encoded = 0
-        self.dropped = 0
         self.failed = 0
         self.taken_over = 0
+        self._cancelled = 0  # queued chunks dropped by close
         self._closed = False
         _LIVE.add(self)
 
     @property
+    def max_pending(self) -> int:
+        """The most chunks queued at once."""
+        return self.ledger.max_pending
+
+    @property
+    def dropped(self) -> int:
+        """Chunks not encoded: the queue was full, or the encoder closed."""
+        return self.ledger.dropped + self._cancelled
+
+    @property
     def pending(self) -> int:
         """Chunks queued or being encoded now."""
-        with self._cond:
-            return len(self._queue) + len(self._flights)
+        return len(self.ledger)
+
+    def _flight(self, key: str) -> Flight | None:
+        flight = self.ledger.get(key)
+        return flight if isinstance(flight, Flight) else None
 
     def state(self, keys: Iterable[str]) -> tuple[dict[str, str], int]:
         """``{key: "queued" | "in flight"}`` for those of ``keys`` that are, and
         the count of finished encodings (pass it to ``claim``)."""
         with self._cond:
-            found = {}
-            for key in keys:
-                if key in self._queue:
-                    found[key] = "queued"
-                elif key in self._flights:
-                    found[key] = "in flight"
+            pending = self.ledger.pending(keys)
+            found = {k: "in flight" if f.running() else "queued" for k, f in pending.items()}
             return found, self._finished
 
     def claim(self, jobs: Mapping[str, Job], seen: int | None = None) -> Claim:
@@ -152,12 +163,18 @@ class BackgroundEncoder:
         theirs: dict[str, Flight] = {}
         with self._cond:
             for key, (ids, store) in jobs.items():
-                if key in self._flights:
-                    theirs[key] = self._flights[key]
+                flight = self._flight(key)
+                if flight is not None and flight.running():
+                    theirs[key] = flight
                     continue
-                queued = self._queue.pop(key, None) is not None
-                self.taken_over += queued
-                mine[key] = self._flights[key] = Flight(key, ids, store, queued)
+                if flight is not None and flight.set_running_or_notify_cancel():
+                    flight.queued = True  # taken off the queue
+                    self.taken_over += 1
+                else:
+                    flight = Flight(key, ids, store)
+                    flight.set_running_or_notify_cancel()
+                    self.ledger.add(key, flight)
+                mine[key] = flight
             stale = seen is None or seen != self._finished
         return Claim(mine, theirs, stale)
 
@@ -165,11 +182,8 @@ class BackgroundEncoder:
         """End ``flights`` (their caches from ``kvs``; a missing one failed)."""
         with self._cond:
             for flight in flights:
-                flight.kv = kvs.get(flight.key)
-                if self._flights.get(flight.key) is flight:
-                    del self._flights[flight.key]
                 self._finished += 1
-                flight.done.set()
+                flight.set_result(kvs.get(flight.key))  # leaves the ledger
             self._cond.notify_all()
 
     def await_flights(
@@ -179,9 +193,8 @@ class BackgroundEncoder:
         (None: failed or not done in time). Background work may run meanwhile."""
         waiting = self._lock.waiting_on_others() if self._lock is not None else nullcontext()
         with waiting:
-            for flight in flights.values():
-                flight.done.wait(timeout)
-        return {key: f.kv if f.done.is_set() else None for key, f in flights.items()}
+            wait_futures(list(flights.values()), timeout)
+        return {key: f.kv for key, f in flights.items()}
 
     def encode_once(
         self, jobs: Mapping[str, Job], encode: Callable[[list[torch.Tensor]], Mapping[str, Any]]
@@ -206,15 +219,11 @@ class BackgroundEncoder:
             if self._closed:
                 return accepted
             for key, (ids, store) in jobs.items():
-                if key in self._queue or key in self._flights:
-                    accepted.add(key)
-                    continue
-                if len(self._queue) >= self.max_pending:
-                    self.dropped += 1
-                    continue
-                self._queue[key] = (ids, store)
-                accepted.add(key)
-            if self._queue and (self._thread is None or not self._thread.is_alive()):
+                if self.ledger.get(key) is not None or self.ledger.add(
+                    key, Flight(key, ids, store)
+                ):
+                    accepted.add(key)  # queued or in flight already, or queued now
+            if self.ledger.queued() and (self._thread is None or not self._thread.is_alive()):
                 self._thread = threading.Thread(
                     target=self._work, name="kvrag-background-encoder", daemon=True
                 )
@@ -228,8 +237,7 @@ class BackgroundEncoder:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or being encoded; False if ``timeout`` ran out."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._flights, timeout)
+        return self.ledger.wait(None, timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Drop what is queued, let the unit in flight finish, stop the worker.
@@ -239,8 +247,7 @@ class BackgroundEncoder:
         """
         with self._cond:
             self._closed = True
-            self.dropped += len(self._queue)
-            self._queue.clear()
+            self._cancelled += self.ledger.close()
             thread = self._thread
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
@@ -254,19 +261,22 @@ class BackgroundEncoder:
 
     def _work_one(self) -> bool:
         """Encode one unit; False when the worker should exit."""
+        ledger = self.ledger
         with self._cond:
-            if not self._queue and not self._closed:
-                self._cond.wait_for(lambda: bool(self._queue) or self._closed, self.idle_s)
-            if not self._queue or self._closed:
+            if not ledger.queued() and not self._closed:
+                self._cond.wait_for(lambda: bool(ledger.queued()) or self._closed, self.idle_s)
+            if not ledger.queued() or self._closed:
                 self._thread = None
                 return False
         # The unit leaves the queue only once the forward lock is free for
         # background work: until then a request can still take it over.
         with self._lock if self._lock is not None else nullcontext(), self._cond:
             unit = []
-            for _ in range(min(self.batch_size, len(self._queue))):
-                key, (ids, store) = self._queue.popitem(last=False)
-                unit.append(self._flights.setdefault(key, Flight(key, ids, store, True)))
+            for key in ledger.queued()[: self.batch_size]:
+                flight = self._flight(key)
+                if flight is not None and flight.set_running_or_notify_cancel():
+                    flight.queued = True
+                    unit.append(flight)
         if not unit:  # requests took it all over meanwhile
             return True
         kvs: Mapping[str, ChunkKV] = {}

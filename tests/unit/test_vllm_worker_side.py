@@ -1,0 +1,191 @@
+"""The connector's worker side without vLLM: slots, the paged layout probe, loads and saves.
+
+vLLM's attention backends write a step's K/V with ``impl.do_kv_cache_update``;
+here a fake backend op does, with a packing of its own (keys of a block
+transposed, values interleaved), so nothing assumes one layout. Moved keys are
+checked against transformers' own ``apply_rotary_pos_emb``; the store is a real
+``MemoryKVStore``. The vLLM lane runs the same code inside vLLM.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from kvrag_integrations.vllm.messages import LoadOp, PieceOp, SaveOp
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kvrag_integrations.chunk_kv import ChunkKV, cache_key
+from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.errors import PagedLayoutError
+from kvrag_integrations.store import MemoryKVStore
+from kvrag_integrations.store.maintenance import StoreBudget
+from kvrag_integrations.vllm.paged import PagedLayout
+from kvrag_integrations.vllm.trust import Tenant
+from kvrag_integrations.vllm.worker_side import WorkerSide, layer_index
+
+BLOCK = 4  # tokens per block
+BLOCKS = 12
+FP = "fp+kv-model"
+CONFIG = transformers.LlamaConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+HEADS, DIM = 2, 16
+
+
+class FakeImpl:
+    """A write op with a packing of its own: per block ``[heads, BLOCK, 2 * DIM]``,
+    keys transposed within a block (dim-major), values interleaved with them."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slots) -> None:
+        for i, slot in enumerate(slots.tolist()):
+            block, offset = divmod(slot, BLOCK)
+            flat = kv_cache[block].reshape(HEADS, -1)  # [heads, BLOCK * 2 * DIM]
+            for h in range(HEADS):
+                for d in range(DIM):
+                    flat[h, d * BLOCK + offset] = key[i, h, d]  # keys: dim-major
+                    flat[h, BLOCK * DIM + 2 * (offset * (DIM // 2) + d // 2) + d % 2] = value[
+                        i, h, d
+                    ]
+
+
+def layer() -> SimpleNamespace:
+    return SimpleNamespace(impl=FakeImpl())
+
+
+def caches() -> dict[int, torch.Tensor]:
+    return {i: torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM) for i in range(2)}
+
+
+def worker(store: MemoryKVStore, budget: StoreBudget | None = None) -> WorkerSide:
+    side = WorkerSide(store, FP, "model", ModelLayout.of_config(CONFIG), budget)
+    kv = caches()
+    side.register(
+        {f"model.layers.{i}.self_attn.attn": c for i, c in kv.items()},
+        {f"model.layers.{i}.self_attn.attn": layer() for i in kv},
+    )
+    side.scheduler_block_size = BLOCK
+    return side
+
+
+def entry(ids: list[int], namespace: str = "") -> ChunkKV:
+    torch.manual_seed(len(ids))
+    shape = (2, HEADS, len(ids), DIM)
+    fp = Tenant(namespace).fingerprint(FP)
+    return ChunkKV(torch.tensor(ids), torch.randn(shape), torch.randn(shape), fp)
+
+
+def moved(keys: torch.Tensor, start: int) -> torch.Tensor:
+    """transformers' own rotation of keys stored at 0 to positions ``start ..``."""
+    n = keys.shape[-2]
+    rotary = LlamaRotaryEmbedding(CONFIG)
+    cos, sin = rotary(keys, torch.arange(start, start + n).unsqueeze(0))
+    _, k = apply_rotary_pos_emb(keys.unsqueeze(0), keys.unsqueeze(0), cos, sin)
+    return k[0]
+
+
+def test_layer_index_and_slots() -> None:
+    assert layer_index("model.layers.13.self_attn.attn") == 13
+    with pytest.raises(ValueError):
+        layer_index("lm_head")
+    side = worker(MemoryKVStore())
+    # positions 3..9 over blocks 7, 2, 5: the block of a position, then its offset
+    assert side.slots([7, 2, 5], 3, 9).tolist() == [31, 8, 9, 10, 11, 20]
+
+
+def test_the_probe_finds_the_packing_and_reads_back_what_was_written() -> None:
+    cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM)
+    paged = PagedLayout.probe(layer(), cache, DIM)
+    keys, values = torch.randn(5, HEADS, DIM), torch.randn(5, HEADS, DIM)
+    slots = torch.tensor([1, 2, 17, 30, 46])
+    FakeImpl().do_kv_cache_update(None, keys, values, cache, slots)
+    got_k, got_v = paged.read(cache, slots)
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+
+
+def test_a_write_op_that_scatters_a_token_is_refused() -> None:
+    class Lossy(FakeImpl):
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slots) -> None:
+            kv_cache.zero_()  # writes nothing anywhere
+
+    with pytest.raises(PagedLayoutError):
+        PagedLayout.probe(SimpleNamespace(impl=Lossy()), torch.zeros(2, HEADS, BLOCK, 2 * DIM), DIM)
+
+
+def test_a_load_writes_each_piece_at_its_slots_with_its_keys_moved() -> None:
+    store = MemoryKVStore()
+    first, second = entry([5, 6, 7]), entry([8, 9, 10, 11, 12, 99])  # 99: the tail
+    store.put(first)
+    store.put(second)
+    side = worker(store)
+    pieces = (PieceOp(0, 3, (5, 6, 7)), PieceOp(3, 5, (8, 9, 10, 11, 12, 99)))
+    blocks = (4, 1, 9)
+    assert side.load(LoadOp("r", blocks, 0, 8, pieces)) == 8
+    paged = side._paged()
+    for index in range(2):
+        keys, values = paged.read(side.caches[index], side.slots(blocks, 0, 8))
+        want_keys = torch.cat(
+            [moved(first.keys[index], 0), moved(second.keys[index][:, :5], 3)], dim=1
+        )
+        want_values = torch.cat([first.values[index], second.values[index][:, :5]], dim=1)
+        torch.testing.assert_close(keys.transpose(0, 1), want_keys, rtol=1e-5, atol=1e-5)
+        assert torch.equal(values.transpose(0, 1), want_values)
+
+
+def test_a_missing_piece_fails_its_blocks_and_every_later_one() -> None:
+    store = MemoryKVStore()
+    store.put(entry([5, 6, 7, 8, 9]))
+    side = worker(store)
+    pieces = (PieceOp(0, 5, (5, 6, 7, 8, 9)), PieceOp(5, 4, (1, 2, 3, 4)))  # second: absent
+    written = side.load(LoadOp("r", (3, 6, 8), 0, 9, pieces))
+    assert written == 4  # up to the block the missing piece starts in
+    assert side.take_failed_blocks() == {6, 8}
+    assert side.take_failed_loads() == {"r": 4}
+
+
+def test_a_load_reads_only_its_tenants_entries() -> None:
+    store = MemoryKVStore()
+    mine = Tenant.of_salt("team-a")
+    store.put(entry([5, 6, 7], mine.namespace))
+    side = worker(store)
+    piece = (PieceOp(0, 3, (5, 6, 7)),)
+    assert side.load(LoadOp("shared", (2,), 0, 3, piece)) == 0  # the shared namespace: absent
+    assert side.load(LoadOp("a", (2,), 0, 3, piece, mine.namespace)) == 3
+
+
+def test_a_save_reads_the_prompt_back_in_its_tenants_namespace() -> None:
+    store = MemoryKVStore()
+    side = worker(store)
+    kv = entry([1, 2, 3, 4, 5])
+    blocks = (7, 3)
+    slots = side.slots(blocks, 0, 5)
+    for index, cache in side.caches.items():
+        FakeImpl().do_kv_cache_update(
+            None, kv.keys[index].transpose(0, 1), kv.values[index].transpose(0, 1), cache, slots
+        )
+    tenant = Tenant.of_salt("team-a")
+    assert side.save(SaveOp("s", blocks, (PieceOp(0, 5, (1, 2, 3, 4, 5)),), tenant.namespace)) == 1
+    fingerprint = tenant.fingerprint(FP)
+    got = store.get(cache_key(fingerprint, [1, 2, 3, 4, 5]), fingerprint)
+    assert got is not None and torch.equal(got.keys, kv.keys) and torch.equal(got.values, kv.values)
+
+
+def test_saves_keep_the_store_within_its_budget() -> None:
+    store = MemoryKVStore()
+    one = entry(list(range(8))).nbytes + 4096  # what a save of 8 tokens counts
+    side = worker(store, StoreBudget(store, max_bytes=3 * one))
+    for i in range(6):
+        ids = tuple(range(10 * i, 10 * i + 8))
+        assert side.save(SaveOp(f"s{i}", (0, 1), (PieceOp(0, 8, ids),))) == 1
+        assert sum(e.nbytes for e in store.entries()) <= 3 * one
+    assert side.budget is not None and side.budget.evicted >= 3  # the oldest went first
+    assert store.contains(cache_key(FP, list(range(50, 58))))  # the newest stayed
+    assert not StoreBudget(store, max_bytes=one).admit(2 * one)  # never fits: skipped
