@@ -25,16 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.store import KVStore, TieredKVStore, open_store
 from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.vllm.config import LOAD_FAILURE_POLICY, ConnectorSettings
-from kvrag_integrations.vllm.identity import (
-    connector_fingerprint,
-    model_folder,
-    weights_fingerprint,
-)
-from kvrag_integrations.vllm.scheduler_side import SchedulerSide, StepOps
+from kvrag_integrations.vllm.identity import connector_fingerprints, model_folder, rank_layout
+from kvrag_integrations.vllm.messages import KVRAGConnectorMetadata, KVRAGWorkerMetadata
+from kvrag_integrations.vllm.scheduler_side import SchedulerSide
 from kvrag_integrations.vllm.trust import ClientPolicy, server_secret
 from kvrag_integrations.vllm.worker_side import WorkerSide
 
@@ -49,27 +45,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-class KVRAGConnectorMetadata(KVConnectorMetadata):
-    """One step's ``StepOps``, sent from the scheduler to the workers."""
-
-    def __init__(self, ops: StepOps) -> None:
-        self.ops = ops
-
-
-class KVRAGWorkerMetadata(KVConnectorWorkerMetadata):
-    """Sent from the workers to the scheduler after a step: requests whose load
-    failed, and the prompt position vLLM recomputes them from."""
-
-    def __init__(self, failed_loads: dict[str, int]) -> None:
-        self.failed_loads = failed_loads
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        merged = dict(self.failed_loads)
-        for request_id, position in getattr(other, "failed_loads", {}).items():
-            merged[request_id] = min(position, merged.get(request_id, position))
-        return KVRAGWorkerMetadata(merged)
 
 
 class KVRAGConnector(KVConnectorBase_V1):
@@ -91,18 +66,9 @@ class KVRAGConnector(KVConnectorBase_V1):
                 "kvrag_integrations.vllm.transfer_config(...) to build the config"
             )
         self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
-        model = vllm_config.model_config
-        parallel = vllm_config.parallel_config
-        dtype = str(model.dtype).removeprefix("torch.")
-        dummy = str(vllm_config.load_config.load_format) == "dummy"  # random weights of a seed
-        extra = f"dummy-seed:{model.seed}" if dummy else ""
-        folder = model_folder(model.model, model.revision)
-        weights = weights_fingerprint(folder, dtype, extra, weights=not dummy)
-        tp_size = parallel.tensor_parallel_size
         precision = self.settings.cache_precision
-        self._fingerprints = [
-            connector_fingerprint(weights, precision, rank, tp_size) for rank in range(tp_size)
-        ]
+        self._fingerprints = connector_fingerprints(vllm_config, precision)
+        tp_size = len(self._fingerprints)
         self._backend: KVStore = open_store(self.settings.store)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -122,13 +88,11 @@ class KVRAGConnector(KVConnectorBase_V1):
                 lossless=precision == "model",
             )
         else:
-            from transformers import AutoConfig
             from vllm.distributed import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
-            layout = _rank_layout(
-                ModelLayout.of_config(AutoConfig.from_pretrained(folder)), tp_size
-            )
+            model = vllm_config.model_config
+            layout = rank_layout(model_folder(model.model, model.revision), tp_size)
             tier = self.settings.memory_tier_bytes
             store = TieredKVStore(self._backend, max_bytes=tier) if tier else self._backend
             limit = self.settings.max_store_bytes
@@ -221,12 +185,3 @@ class KVRAGConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         failed = self._worker.take_failed_loads() if self._worker is not None else {}
         return KVRAGWorkerMetadata(failed) if failed else None
-
-
-def _rank_layout(layout: ModelLayout, tp_size: int) -> ModelLayout:
-    """A tensor-parallel rank's layout: its share of the KV heads (at least one)."""
-    if tp_size == 1:
-        return layout
-    from dataclasses import replace
-
-    return replace(layout, kv_heads=max(1, layout.kv_heads // tp_size))

@@ -26,6 +26,7 @@ pieces are then encoded in the background for the next request
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -49,10 +50,11 @@ from kvrag_integrations.engine.scheduling.ledger import EncodeLedger
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, check_on_miss
 from kvrag_integrations.engine.streaming import Job
 from kvrag_integrations.errors import ConnectorMissingError, TransferParamsError
+from kvrag_integrations.vllm import launch
 from kvrag_integrations.vllm.backend import Backend, BackendRequest, sampling_args
 from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
-from kvrag_integrations.vllm.requests import account, check_strategy, load_run
 from kvrag_integrations.vllm.trust import Tenant
+from kvrag_integrations.vllm.turbo import account, check_strategy, load_run
 
 logger = logging.getLogger(__name__)
 
@@ -115,18 +117,59 @@ class VLLMEngine(EngineFrontend):
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> VLLMEngine:
-        """vLLM in this process; see ``vllm.loading.from_pretrained``."""
-        from kvrag_integrations.vllm.loading import from_pretrained
-
-        return from_pretrained(cls, *args, **kwargs)
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike | None = None,
+        *,
+        cache_prefix: bool = True,
+        chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
+        on_miss: str = DEFAULT_ON_MISS,
+        max_pending: int = 256,
+        cache_salt: str | None = None,
+        **launch_args: Any,
+    ) -> VLLMEngine:
+        """vLLM in this process with the connector (``launch.start_local``: ``store``,
+        ``cache_precision``, ``dtype``, ``memory_tier_bytes``, ``max_store_bytes``
+        and vLLM's own engine arguments); the other arguments as the constructor's.
+        """
+        backend, tokenizer, eos = launch.start_local(model, **launch_args)
+        return cls(
+            backend,
+            tokenizer,
+            cache_prefix=cache_prefix,
+            chunk_suffix=chunk_suffix,
+            on_miss=on_miss,
+            eos_token_ids=eos,
+            max_pending=max_pending,
+            cache_salt=cache_salt,
+        )
 
     @classmethod
-    def connect(cls, *args: Any, **kwargs: Any) -> VLLMEngine:
-        """The client of a running vLLM OpenAI server; see ``vllm.loading.connect``."""
-        from kvrag_integrations.vllm.loading import connect
-
-        return connect(cls, *args, **kwargs)
+    def connect(
+        cls,
+        base_url: str,
+        *,
+        cache_prefix: bool = True,
+        chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
+        on_miss: str = DEFAULT_ON_MISS,
+        max_pending: int = 256,
+        cache_salt: str | None = None,
+        **server_args: Any,
+    ) -> VLLMEngine:
+        """The client of a running vLLM OpenAI server started with the connector
+        (``launch.join_server``: ``tokenizer``, ``model``, ``api_key``,
+        ``timeout``); the other arguments as the constructor's."""
+        backend, tokenizer, eos = launch.join_server(base_url, **server_args)
+        return cls(
+            backend,
+            tokenizer,
+            cache_prefix=cache_prefix,
+            chunk_suffix=chunk_suffix,
+            on_miss=on_miss,
+            eos_token_ids=eos,
+            max_pending=max_pending,
+            cache_salt=cache_salt,
+        )
 
     def __repr__(self) -> str:
         return f"<VLLMEngine {self.model_name} via {type(self.backend).__name__} at {id(self):#x}>"

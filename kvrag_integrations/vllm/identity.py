@@ -22,8 +22,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvrag_integrations.chunk_kv import FORMAT_VERSION, storage_fingerprint
+
+if TYPE_CHECKING:
+    from kvrag_integrations.engine.modeling.layout import ModelLayout
 
 ENGINE_TAG = "vllm"
 
@@ -130,3 +134,34 @@ def connector_fingerprint(
     """
     base = model_fingerprint if tp_size == 1 else f"{model_fingerprint}+tp{tp_rank}of{tp_size}"
     return storage_fingerprint(base, precision)
+
+
+def connector_fingerprints(vllm_config: Any, precision: str) -> list[str]:
+    """Each tensor-parallel rank's storage fingerprint for what ``vllm_config``
+    serves (its checkpoint's files, or the seed of ``load_format="dummy"``'s
+    random weights), its dtype and the storage ``precision``."""
+    model = vllm_config.model_config
+    dtype = str(model.dtype).removeprefix("torch.")
+    dummy = str(vllm_config.load_config.load_format) == "dummy"  # random weights of a seed
+    extra = f"dummy-seed:{model.seed}" if dummy else ""
+    folder = model_folder(model.model, model.revision)
+    weights = weights_fingerprint(folder, dtype, extra, weights=not dummy)
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    return [connector_fingerprint(weights, precision, rank, tp_size) for rank in range(tp_size)]
+
+
+def rank_layout(folder: str | os.PathLike[str], tp_size: int) -> ModelLayout:
+    """The layout a tensor-parallel rank's entries have: the model's (built from its
+    config, rotary checked), with its share of the KV heads (at least one).
+
+    Raises:
+        UnsupportedModelError: an architecture reuse is not verified for.
+    """
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from kvrag_integrations.engine.modeling.layout import ModelLayout
+
+    layout = ModelLayout.of_config(AutoConfig.from_pretrained(folder))
+    return layout if tp_size == 1 else replace(layout, kv_heads=max(1, layout.kv_heads // tp_size))

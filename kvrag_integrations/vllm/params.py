@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.vllm.messages import PieceOp
 from kvrag_integrations.vllm.trust import Tenant, request_salt
 
 PARAMS_KEY = "kvrag"
@@ -61,8 +62,12 @@ class PieceSpec:
         return self.start + self.rows
 
     def entry_ids(self, prompt_ids: Sequence[int]) -> list[int]:
-        """The ids of this piece's entry."""
+        """The ids of this piece's entry (the one place they are derived)."""
         return [*prompt_ids[self.start : self.end], *self.tail]
+
+    def op(self, prompt_ids: Sequence[int]) -> PieceOp:
+        """This piece as the workers get it: its span and its entry's ids."""
+        return PieceOp(self.start, self.rows, tuple(self.entry_ids(prompt_ids)))
 
     def as_list(self) -> list[Any]:
         return [self.start, self.rows, list(self.tail)]

@@ -27,59 +27,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.vllm.messages import LoadOp, PieceOp, SaveOp, StepOps
 from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
 from kvrag_integrations.vllm.trust import ClientPolicy, Tenant, request_salt
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PieceOp:
-    """One piece for the workers: its prompt span and its entry's ids (each worker
-    derives its own key from them: ranks of a tensor-parallel group key apart)."""
-
-    start: int
-    rows: int
-    entry_ids: tuple[int, ...]
-
-    @property
-    def end(self) -> int:
-        return self.start + self.rows
-
-
-@dataclass(frozen=True)
-class LoadOp:
-    """Write prompt positions ``lo .. hi`` of a request from its pieces."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    lo: int
-    hi: int
-    pieces: tuple[PieceOp, ...]
-    namespace: str = ""  # the request's tenant's (keys are scoped by it)
-
-
-@dataclass(frozen=True)
-class SaveOp:
-    """Store each piece of a request's prompt (prefilled by now) as an entry."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    pieces: tuple[PieceOp, ...]
-    namespace: str = ""
-
-
-@dataclass
-class StepOps:
-    """A step's work for the workers (vLLM hands it to them as connector metadata)."""
-
-    loads: list[LoadOp] = field(default_factory=list)
-    saves: list[SaveOp] = field(default_factory=list)
 
 
 @dataclass
@@ -273,8 +230,4 @@ class SchedulerSide:
 def _overlapping(
     pieces: Sequence[PieceSpec], prompt: Sequence[int], lo: int, hi: int
 ) -> tuple[PieceOp, ...]:
-    return tuple(
-        PieceOp(p.start, p.rows, tuple(p.entry_ids(prompt)))
-        for p in pieces
-        if p.start < hi and p.end > lo
-    )
+    return tuple(p.op(prompt) for p in pieces if p.start < hi and p.end > lo)

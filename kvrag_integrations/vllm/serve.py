@@ -28,50 +28,16 @@ where unset).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shlex
-import sys
 from pathlib import Path
-from typing import Any
 
 from kvrag_integrations.chunk_kv import PRECISIONS
-from kvrag_integrations.vllm.config import (
-    DEFAULT_MAX_ENTRY_TOKENS,
-    DEFAULT_MEMORY_TIER_BYTES,
-    transfer_config,
-)
+from kvrag_integrations.vllm.config import DEFAULT_MAX_ENTRY_TOKENS, DEFAULT_MEMORY_TIER_BYTES
 from kvrag_integrations.vllm.gateway import KEYS_ENV, KeyFile
-from kvrag_integrations.vllm.loading import engine_args, platform_env
+from kvrag_integrations.vllm.launch import platform_env, server_command
 from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV
-
-GATEWAY = "kvrag_integrations.vllm.gateway.TenantGateway"
-
-
-def server_command(
-    model: str | None, store: str, rest: list[str], middleware: bool = False, **settings: Any
-) -> list[str]:
-    """The vLLM server's command line for ``model`` with the connector on ``store``
-    (``settings``: the connector's, ``ConnectorSettings``), the engine arguments
-    ``VLLMEngine.from_pretrained`` uses, and cached-token counts in the usage."""
-    args = engine_args(model, transfer_config(store, **settings))
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    command += [*_flags(args), "--enable-prompt-tokens-details"]
-    if middleware:
-        command += ["--middleware", GATEWAY]
-    return command + rest
-
-
-def _flags(engine_args: dict[str, Any]) -> list[str]:
-    """Engine arguments as the server's flags (``enforce_eager=True`` -> ``--enforce-eager``)."""
-    flags: list[str] = []
-    for key, value in engine_args.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, dict):
-            value = json.dumps(value, separators=(",", ":"))
-        flags += [flag] if value is True else [flag, str(value)]
-    return flags
 
 
 def main(argv: list[str] | None = None) -> None:

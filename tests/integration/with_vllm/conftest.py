@@ -9,7 +9,8 @@ beside the transformers engine the comparisons use.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,17 @@ def vllm_engine(vllm_store: Path) -> Iterator[VLLMEngine]:
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
         kv_cache_memory_bytes=KV_CACHE_BYTES,
     )
-    yield engine
-    engine.close()
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture()
+def connect() -> Iterator[Callable[..., VLLMEngine]]:
+    """``VLLMEngine.connect`` whose clients are closed when the test ends, passed or not."""
+    with ExitStack() as opened:
+        yield lambda *args, **kwargs: opened.enter_context(VLLMEngine.connect(*args, **kwargs))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from kvrag_integrations.engine.prompting.segments import cache_leading_text
 from kvrag_integrations.store.codec import encode_entry
 from kvrag_integrations.vllm.engine import VLLMEngine
 from kvrag_integrations.vllm.params import TransferParams
-from kvrag_integrations.vllm.requests import load_run
+from kvrag_integrations.vllm.turbo import load_run
 
 needs_vllm()
 

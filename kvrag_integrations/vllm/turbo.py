@@ -1,5 +1,5 @@
-"""A request on vLLM: what the connector is asked to load, what vLLM may run, and
-what the result says.
+"""A turbo request on vLLM: what the connector is asked to load, what vLLM may run,
+and what the result says.
 
 ``load_run`` is the prompt's leading run of stored pieces (the cached leading
 text, then chunks back to back) as ``PieceSpec``s; ``check_strategy`` refuses
