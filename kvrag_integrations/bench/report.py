@@ -147,10 +147,10 @@ def _fmt(value: Any) -> str:
 def readme_block(
     found: dict[str, dict[str, Any]], results: Path | None = None, readme: Path | None = None
 ) -> str:
-    """The README's benchmark summary: TTFT, the stores, the peer comparison, quality
-    and vLLM, when measured."""
+    """The README's benchmark summary: TTFT, an 8B model on a GPU, the stores, the
+    peer comparison, quality and vLLM, when measured."""
     parts = []
-    for name in ("ttft", "stores", "peer", "quality", "vllm"):
+    for name in ("ttft", "gpu-scaling-llama-3.1-8b", "stores", "peer", "quality", "vllm"):
         if name in found:
             pics = images(name, results, readme) if results and readme else []
             parts.append(section(name, found[name], pics[:1]).replace("## ", "### ", 1))

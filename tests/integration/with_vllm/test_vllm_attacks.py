@@ -38,7 +38,9 @@ from kvrag_integrations.vllm.turbo import load_run
 
 needs_vllm()
 
-BUDGET = 96 * 2**20  # the store's budget: a few dozen chunk entries of the bundled model
+# The store's budget: the module's honest entries fit (a 600-token passage is 14 MB of
+# float16 K/V for the bundled model); the flood is more than it.
+BUDGET = 256 * 2**20
 MAX_ENTRY = 1024
 KEYS = {
     "keys": {
@@ -223,8 +225,12 @@ def test_a_tenant_learns_nothing_of_anothers_chunks(
     team_a.encode_chunks(stored, show_progress=False)
     mine = team_a.generate(question=item.question, chunks=stored, max_new_tokens=1)
     assert mine.reused_chunks == 2
-    # a raw request with a grant for team-a that the server did not sign loads nothing
-    prompt = team_a.tokenize(team_a.build_segments(question=item.question, chunks=stored))
+    # a raw request with a grant for team-a that the server did not sign loads none of
+    # team-a's chunks (at most the template's head, from its own namespace)
+    # (in the other order than the probes below: its own blocks, which vLLM's prefix
+    # cache keeps under its salt, must not look like a hit to them)
+    raw = team_a.build_segments(question=item.question, chunks=stored[::-1])
+    prompt = team_a.tokenize(raw)
     layout = [p.as_list() for p in load_run(team_a.prompts, cache_leading_text(prompt))]
     forged = {"namespace": "team-a", "role": "write", "mac": "0" * 64}
     for key in (None, "sk-team-b"):
@@ -234,8 +240,9 @@ def test_a_tenant_learns_nothing_of_anothers_chunks(
             "cache_salt": request_salt(Tenant(), layout),
         }
         reply = target.post(body, key=key)
-        assert reply["kv_transfer_params"]["kvrag"]["loaded"] == 0
-        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] < 16
+        head = layout[0][1]
+        assert reply["kv_transfer_params"]["kvrag"]["loaded"] <= head
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] <= head
     probes = [  # each in a namespace of its own (each encodes its misses for itself)
         connect(target.url, api_key="sk-team-b"),
         connect(target.url),  # anonymous: the shared namespace
@@ -274,7 +281,7 @@ def test_a_flood_of_encodes_keeps_the_store_within_its_budget(
 ) -> None:
     store = DiskKVStore(target.store)
     words = " ".join(musique.item(57).chunks[0].split()[:200])
-    for i in range(48):  # ~5 MB entries: twice the budget and more
+    for i in range(48):  # 7 MB entries: more than the budget
         text = f"flood {i}: {words}"
         ids = target.honest.tokenizer(text)["input_ids"]
         save = {"kvrag": {"save": [[0, len(ids), []]]}}
