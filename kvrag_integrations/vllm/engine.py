@@ -132,17 +132,8 @@ class VLLMEngine(EngineFrontend):
         ``cache_precision``, ``dtype``, ``memory_tier_bytes``, ``max_store_bytes``
         and vLLM's own engine arguments); the other arguments as the constructor's.
         """
-        backend, tokenizer, eos = launch.start_local(model, **launch_args)
-        return cls(
-            backend,
-            tokenizer,
-            cache_prefix=cache_prefix,
-            chunk_suffix=chunk_suffix,
-            on_miss=on_miss,
-            eos_token_ids=eos,
-            max_pending=max_pending,
-            cache_salt=cache_salt,
-        )
+        parts = launch.start_local(model, **launch_args)
+        return cls._of(parts, cache_prefix, chunk_suffix, on_miss, max_pending, cache_salt)
 
     @classmethod
     def connect(
@@ -159,7 +150,15 @@ class VLLMEngine(EngineFrontend):
         """The client of a running vLLM OpenAI server started with the connector
         (``launch.join_server``: ``tokenizer``, ``model``, ``api_key``,
         ``timeout``); the other arguments as the constructor's."""
-        backend, tokenizer, eos = launch.join_server(base_url, **server_args)
+        parts = launch.join_server(base_url, **server_args)
+        return cls._of(parts, cache_prefix, chunk_suffix, on_miss, max_pending, cache_salt)
+
+    @classmethod
+    def _of(cls, parts: tuple[Backend, Any, Sequence[int] | None], *options: Any) -> VLLMEngine:
+        """An engine of ``launch``'s parts (backend, tokenizer, end ids) and the
+        factories' engine options, in the order they list them."""
+        backend, tokenizer, eos = parts
+        cache_prefix, chunk_suffix, on_miss, max_pending, cache_salt = options
         return cls(
             backend,
             tokenizer,
