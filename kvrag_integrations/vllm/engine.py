@@ -61,6 +61,9 @@ logger = logging.getLogger(__name__)
 _ENCODE = {"max_tokens": 1, "temperature": 0.0}  # a prefill-only request
 _FINISH = {"abort": "cancelled", None: "length"}
 _MAX_PREFIXES = 256  # leading texts remembered as encoded
+# A request waits this long at most for the background encodes of its pieces (a
+# chunk's prefill takes well under a second; a stuck server must not hold it).
+_AWAIT_ENCODE_S = 30.0
 
 
 class VLLMEngine(EngineFrontend):
@@ -342,7 +345,12 @@ class VLLMEngine(EngineFrontend):
         kinds = [p.kind for p in prompt.cached_pieces]
         entries = [(kind, tuple(piece.entry_ids(ids))) for kind, piece in zip(kinds, run)]
         pending = self._background.pending(entry for _, entry in entries)
-        self._background.wait(pending)
+        if not self._background.wait(pending, timeout=_AWAIT_ENCODE_S):
+            logger.warning(
+                "background encodes still running after %.0f s; vLLM computes "
+                "what they have not stored",
+                _AWAIT_ENCODE_S,
+            )
         return sum(kind == "chunk" and entry in pending for kind, entry in entries)
 
     def _ensure_prefix(self, prompt: TokenizedPrompt, head: PieceSpec) -> None:
