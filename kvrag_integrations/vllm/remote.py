@@ -64,8 +64,8 @@ class ServerBackend:
     def submit(self, request: BackendRequest, cancel: threading.Event) -> Iterator[BackendEvent]:
         """Stream one request (or answer it whole: ``request.stream`` false)."""
         body = self._body(request)
-        if not request.stream:
-            yield self._whole(body)
+        if not request.stream or request.prompt_logprobs:
+            yield self._whole(body, request)
             return
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -83,7 +83,7 @@ class ServerBackend:
         except httpx.HTTPError as exc:
             raise ServerError(f"the vLLM server failed the request: {exc}") from exc
 
-    def _whole(self, body: dict[str, Any]) -> BackendEvent:
+    def _whole(self, body: dict[str, Any], request: BackendRequest) -> BackendEvent:
         try:
             response = self._client.post("/completions", json=body)
         except httpx.HTTPError as exc:
@@ -92,13 +92,22 @@ class ServerBackend:
         data = response.json()
         choice = data["choices"][0]
         details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-        return BackendEvent(
+        event = BackendEvent(
             text=choice.get("text") or "",
             token_ids=list(choice.get("token_ids") or []),
             cached_tokens=details.get("cached_tokens"),
             finish_reason=choice.get("finish_reason"),
             reply=Reply.from_output(data.get("kv_transfer_params")),
         )
+        top = (choice.get("logprobs") or {}).get("top_logprobs") or []
+        if top and top[0]:
+            event.logprobs = {_token_id(t): float(lp) for t, lp in top[0].items()}
+        rows = choice.get("prompt_logprobs")
+        if request.prompt_logprobs and rows is not None:
+            event.prompt_logprobs = [
+                _row_logprob(row, token) for row, token in zip(rows, request.prompt_ids)
+            ]
+        return event
 
     def _body(self, request: BackendRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -111,9 +120,13 @@ class ServerBackend:
             body["cache_salt"] = request.salt
         if request.params:
             body["kv_transfer_params"] = request.params
-        if request.logprobs:
-            body["logprobs"] = request.logprobs
+        if request.logprobs or request.logprob_token_ids:
+            body["logprobs"] = request.logprobs or 1
             body["return_tokens_as_token_ids"] = True
+        if request.logprob_token_ids:
+            body["logprob_token_ids"] = list(request.logprob_token_ids)
+        if request.prompt_logprobs:
+            body["prompt_logprobs"] = 0
         return body
 
     def close(self) -> None:
@@ -153,3 +166,13 @@ def _sse_event(line: str, first: bool) -> BackendEvent | None:
 def _token_id(token: str) -> int:
     """``"token_id:123"`` (``return_tokens_as_token_ids``) -> 123."""
     return int(token.rsplit(":", 1)[-1])
+
+
+def _row_logprob(row: Any, token: int) -> float | None:
+    """The log-probability of ``token`` in one row of a response's ``prompt_logprobs``."""
+    if not isinstance(row, dict):
+        return None
+    for key, value in row.items():
+        if _token_id(str(key)) == token:
+            return float(value["logprob"] if isinstance(value, dict) else value)
+    return None
