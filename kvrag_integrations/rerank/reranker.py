@@ -12,8 +12,10 @@ that judges this document: it is encoded once (positions ``0..P-1``), stored, an
 for each query only the suffix (``P..P+S-1``) runs through the model. Scores with
 reuse equal scores without it up to float rounding.
 
-Candidates are scored in batches with a static padded layout over their cached
-prefixes (``rerank.scoring``: inputs, mask, batch cache and the two scores).
+The engine scores (``engine.protocol.DocumentScorer``): ``KVRAGEngine`` in
+batches with a static padded layout over the cached prefixes (``rerank.scoring``),
+``VLLMEngine`` with one request per candidate, each loading its document's entry
+at position 0, all in flight at once (``vllm.scoring``; docs/vllm.md).
 """
 
 from __future__ import annotations
