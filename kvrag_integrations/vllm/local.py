@@ -34,6 +34,10 @@ class LocalBackend:
         name: the model name reported to the adapters.
     """
 
+    # Prompt log-probabilities are read without text: rows a load left uncomputed
+    # are never decoded (vllm.scoring reads only the computed rows).
+    prompt_rows_after_load = True
+
     def __init__(self, engine_args: dict[str, Any], name: str) -> None:
         self.model_name = name
         self._loop = asyncio.new_event_loop()

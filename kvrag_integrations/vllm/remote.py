@@ -35,6 +35,10 @@ class ServerBackend:
         timeout: seconds to wait for a connection or a piece of an answer.
     """
 
+    # The API detokenizes every prompt row, those a load left uncomputed too (garbage
+    # ids: a 500): query likelihood with loads scores token by token (vllm.scoring).
+    prompt_rows_after_load = False
+
     def __init__(
         self,
         base_url: str,
@@ -174,5 +178,6 @@ def _row_logprob(row: Any, token: int) -> float | None:
         return None
     for key, value in row.items():
         if _token_id(str(key)) == token:
-            return float(value["logprob"] if isinstance(value, dict) else value)
+            logprob = value.get("logprob") if isinstance(value, dict) else value
+            return float(logprob) if isinstance(logprob, (int, float)) else None
     return None

@@ -69,10 +69,12 @@ def collect(events: Any) -> Outcome:
 
 
 def judge_score(first: dict[int, float] | None, yes: Sequence[int], no: Sequence[int]) -> float:
-    """``logsumexp log P(yes) - logsumexp log P(no)`` from one token's log-probabilities."""
+    """``logsumexp log P(yes) - logsumexp log P(no)`` from one token's log-probabilities
+    (no ``no`` ids: ``logsumexp log P(yes)``)."""
     if not first or any(i not in first for i in (*yes, *no)):
         raise ServerError("vLLM did not return the log-probabilities of the answer tokens")
-    return _logsumexp([first[i] for i in yes]) - _logsumexp([first[i] for i in no])
+    score = _logsumexp([first[i] for i in yes])
+    return score - _logsumexp([first[i] for i in no]) if no else score
 
 
 def query_score(prompt: list[float | None] | None, n_query: int) -> float:
@@ -152,14 +154,56 @@ class VLLMScoring:
         yes, no = answer_ids
         answers = tuple(sorted({*yes, *no}))
         tail = list(suffix)
+        if n_query and reuse and not getattr(self.backend, "prompt_rows_after_load", False):
+            return self._score_by_tokens(heads, tail, n_query, out, started)
         futures = [pool.submit(self._score_one, h, tail, n_query, answers, reuse) for h in heads]
         outcomes = [f.result() for f in futures]
-        missing = []
-        for head, outcome in zip(heads, outcomes):
+        for outcome in outcomes:
             if n_query:
                 out.scores.append(query_score(outcome.prompt, n_query))
             else:
                 out.scores.append(judge_score(outcome.first, yes, no))
+        return self._finish(heads, outcomes, reuse, out, started)
+
+    def _score_by_tokens(
+        self,
+        heads: list[list[int]],
+        tail: list[int],
+        n_query: int,
+        out: DocumentScores,
+        started: float,
+    ) -> DocumentScores:
+        """Query likelihood where prompt rows after a load cannot be read (a server:
+        its API detokenizes every row, and the loaded ones were never computed): one
+        request per query token, ``logprob_token_ids`` = that token, each loading
+        the document's entry; all in flight at once."""
+        pool = self._scoring_pool()
+        jobs = []
+        for head in heads:
+            prompt = head + tail
+            for pos in range(len(prompt) - n_query, len(prompt)):
+                job = (prompt[:pos], len(head), 0, (prompt[pos],))
+                jobs.append((prompt[pos], pool.submit(self._request, *job)))
+        firsts = [(token, future.result()) for token, future in jobs]
+        outcomes = []
+        for i in range(len(heads)):
+            mine = firsts[i * n_query : (i + 1) * n_query]
+            rows = [judge_score(o.first, [token], []) for token, o in mine]
+            out.scores.append(sum(rows) / n_query)
+            outcomes.append(min((o for _, o in mine), key=lambda o: o.cached))
+        return self._finish(heads, outcomes, True, out, started)
+
+    def _finish(
+        self,
+        heads: list[list[int]],
+        outcomes: list[Outcome],
+        reuse: bool,
+        out: DocumentScores,
+        started: float,
+    ) -> DocumentScores:
+        """Count reuse; store the documents computed whole this time."""
+        missing = []
+        for head, outcome in zip(heads, outcomes):
             if reuse and outcome.cached >= len(head):
                 out.reused += 1
             elif reuse:

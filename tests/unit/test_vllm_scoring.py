@@ -42,7 +42,8 @@ class _Backend:
     model_name = "tiny"
     context_window = 4096
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_rows_after_load: bool = True) -> None:
+        self.prompt_rows_after_load = prompt_rows_after_load
         self.requests: list[BackendRequest] = []
         self.stored: set[tuple[int, ...]] = set()
         self.lock = threading.Lock()
@@ -101,6 +102,20 @@ def test_query_likelihood_reads_the_query_rows(vllm: VLLMEngine) -> None:
     assert result.scores == [-1.0]
     (request,) = vllm.backend.requests
     assert request.prompt_logprobs and request.params is None and request.salt is None
+
+
+def test_a_server_scores_query_likelihood_token_by_token() -> None:
+    """Over HTTP no prompt row after a load is read: one request per query token."""
+    vllm = VLLMEngine(_Backend(prompt_rows_after_load=False), _Tokenizer())
+    vllm.encode_documents([[5, 6, 7]])
+    result = vllm.score_documents([[5, 6, 7]], [3, 4, 9], n_query=2)
+    assert result.scores == pytest.approx([-(4 + 9) / 200]) and result.reused == 1
+    asked = [r for r in vllm.backend.requests if r.logprob_token_ids]
+    assert sorted((tuple(r.prompt_ids), r.logprob_token_ids) for r in asked) == [
+        ((5, 6, 7, 3), (4,)),
+        ((5, 6, 7, 3, 4), (9,)),
+    ]
+    assert all(TransferParams.from_request(r.params).load_end == 3 for r in asked)
 
 
 def test_a_tenant_scores_under_its_own_salts() -> None:
