@@ -24,6 +24,8 @@ from kvrag_integrations.errors import ServerError
 from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
 from kvrag_integrations.vllm.params import Reply
 
+_MAX_WHOLE = 32
+
 
 class ServerBackend:
     """The client of one vLLM OpenAI server (see ``backend.Backend``).
@@ -49,6 +51,9 @@ class ServerBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         root = base_url.rstrip("/").removesuffix("/v1")
         self._client = httpx.Client(base_url=f"{root}/v1", headers=headers, timeout=timeout)
+        # Whole answers in flight at once (the reranker sends many): more made httpx
+        # fail with EBADF under a few hundred threads; vLLM batches what is in flight.
+        self._slots = threading.BoundedSemaphore(_MAX_WHOLE)
         try:
             models = self._client.get("/models")
             models.raise_for_status()
@@ -89,7 +94,8 @@ class ServerBackend:
 
     def _whole(self, body: dict[str, Any], request: BackendRequest) -> BackendEvent:
         try:
-            response = self._client.post("/completions", json=body)
+            with self._slots:
+                response = self._client.post("/completions", json=body)
         except httpx.HTTPError as exc:
             raise ServerError(f"the vLLM server failed the request: {exc}") from exc
         _raise_for(response)
