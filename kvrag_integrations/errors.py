@@ -31,6 +31,10 @@ class UnsupportedInputError(KVRAGError, ValueError):
     """
 
 
+class UnsupportedEngineError(KVRAGError, TypeError):
+    """An engine lacks what a component needs (the message names the members)."""
+
+
 class ContextWindowExceededError(KVRAGError, ValueError):
     """The prompt plus the tokens to generate do not fit the model's context."""
 

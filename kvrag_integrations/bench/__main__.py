@@ -111,6 +111,7 @@ def parser() -> argparse.ArgumentParser:
         "--no-loglik", action="store_true", help="quality: skip the gold log-likelihood prefill"
     )
     p.add_argument("--scoring", default=None, help="rerank: judge or query_likelihood")
+    p.add_argument("--vllm", action="store_true", help="rerank: add a vLLM column")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 items, tiny sizes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG files")
     p.add_argument(
@@ -137,6 +138,7 @@ def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any
         "max_new_tokens": args.max_new_tokens,
         "loglik": False if args.no_loglik else None,
         "scoring": args.scoring,
+        "vllm": True if args.vllm else None,
     }
     if args.ratios is not None:
         given["strategies"] = [("full", {}), ("turbo", {})]

@@ -8,8 +8,12 @@ Recall (a passage containing a gold answer among the first k) is given for the
 candidates' listed order, for the order a retriever would give (MiniLM cosine
 similarity, the packaged embedding model) and after reranking.
 
+With ``--vllm``, a vLLM column (``rerank_vllm``): the same reranker on a
+``VLLMEngine`` in this process, cold, warm, and warm with 8 queries at once.
+
 Examples:
     python -m kvrag_integrations.bench rerank --items 5
+    python -m kvrag_integrations.bench rerank --items 5 --vllm
     python -m kvrag_integrations.bench rerank --items 5 --scoring query_likelihood
 """
 
@@ -19,6 +23,7 @@ import time
 from typing import Any
 
 from kvrag_integrations.bench.common import RagItem, markdown_table, trim_to_tokens
+from kvrag_integrations.bench.rerank_vllm import rows as rerank_vllm_rows
 from kvrag_integrations.embeddings import embed_texts
 from kvrag_integrations.rerank.reranker import KVReranker
 from kvrag_integrations.store import MemoryKVStore
@@ -63,6 +68,8 @@ def run(
     batch_size: int = 16,
     template: str | None = None,
     scoring: str = "judge",
+    vllm: bool = False,
+    vllm_engine: Any = None,
 ) -> dict[str, Any]:
     """Measure the reranker on MuSiQue-style items; returns the numbers.
 
@@ -75,6 +82,8 @@ def run(
         batch_size: candidates per forward.
         template: a rerank template preset (None: the scoring's default).
         scoring: ``"judge"`` or ``"query_likelihood"`` (see ``KVReranker``).
+        vllm: add the vLLM column (``rerank_vllm``: cold, warm, concurrent, the
+            score gap to in process), on ``vllm_engine`` or a vLLM of its own.
 
     Returns:
         A dict with throughputs (candidates/s), speedup, precompute time, recall@3
@@ -127,7 +136,19 @@ def run(
     if reranker.stats.prefixes_encoded != encoded_base:
         raise RuntimeError("a timed run encoded prefixes: the reuse timing is not clean")
     n_docs = sum(len(q["docs"]) for q in queries)
+    extra: dict[str, Any] = {}
+    if vllm or vllm_engine is not None:
+        from kvrag_integrations.bench import rerank_vllm
+
+        own = vllm_engine is None
+        on_vllm = rerank_vllm.start_engine() if own else vllm_engine
+        try:
+            extra = rerank_vllm.column(on_vllm, reranker, queries)
+        finally:
+            if own:
+                on_vllm.close()
     return {
+        **extra,
         "queries": len(queries),
         "candidates_per_query": n_candidates,
         "doc_tokens": doc_tokens,
@@ -167,6 +188,7 @@ def table(result: dict[str, Any]) -> str:
         scoring = result.get("scoring", "judge")
         rows.append([f"reranked ({scoring})", "", "", recall["reranked@1"], recall["reranked@3"]])
         rows[:2] = [[*r, ""] for r in rows[:2]]
+        rows[2:2] = [[*r, ""] for r in rerank_vllm_rows(result)]
         headers = ["", "candidates/s", "speedup", "recall@1", "recall@3"]
     else:  # results written before recall@1 was measured
         rows.append(["retrieval order", "", "", result["recall@3_before"]])

@@ -18,6 +18,7 @@ from kvrag_integrations.engine.caching.entries import (
     DEFAULT_CHUNK_SUFFIX,
     ChunkRef,
 )
+from kvrag_integrations.engine.doc_scoring import InProcessScoring
 from kvrag_integrations.engine.frontend import EngineFrontend
 from kvrag_integrations.engine.in_process import answer, plan_prefill
 from kvrag_integrations.engine.modeling.model import LoadedModel
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 
-class KVRAGEngine(registry.EngineLoading, EngineFrontend):
+class KVRAGEngine(registry.EngineLoading, InProcessScoring, EngineFrontend):
     """Generates answers over retrieved chunks, reusing their precomputed KV caches.
 
     ``from_pretrained`` loads a model and ``shared`` finds the process's shared

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from kvrag_integrations.engine.caching.entries import ChunkRef
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream
+from kvrag_integrations.errors import UnsupportedEngineError
 
 
 @runtime_checkable
@@ -110,3 +112,99 @@ ENGINE_MEMBERS = tuple(
     name for name in vars(RAGEngine) if not name.startswith("_") and name != "check_engine"
 )
 """The names every engine implements (what ``check_engine`` looks for)."""
+
+
+@dataclass
+class DocumentScores:
+    """What ``score_documents`` returns: one score per prefix, in order, and counts.
+
+    Attributes:
+        scores: the scores (see ``DocumentScorer.score_documents``).
+        reused: prefixes whose stored cache was loaded, not computed.
+        encoded: prefixes encoded and stored by this call.
+        forward_s: seconds in model forwards or vLLM requests (encoding included).
+    """
+
+    scores: list[float] = field(default_factory=list)
+    reused: int = 0
+    encoded: int = 0
+    forward_s: float = 0.0
+
+
+@runtime_checkable
+class DocumentScorer(Protocol):
+    """What the decoder reranker (``rerank.KVReranker``) asks of an engine: score
+    document-first prompts ``[prefix][suffix]`` reusing each prefix's stored cache
+    (loaded at position 0: exact). Both engines implement it."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (prompts are tokenized by the caller)."""
+        ...
+
+    @property
+    def context_window(self) -> int: ...
+
+    def scoring_fingerprint(self, key_space: str) -> str:
+        """The fingerprint document prefix entries are keyed by, for ``key_space``
+        (the reranking template's name; an engine may share chunk entries)."""
+        ...
+
+    def score_documents(
+        self,
+        prefixes: Sequence[Sequence[int]],
+        suffix: Sequence[int],
+        *,
+        n_query: int = 0,
+        answer_ids: tuple[Sequence[int], Sequence[int]] = ((), ()),
+        reuse: bool = True,
+        key_space: str = "",
+        store: Any = None,
+        batch_size: int = 16,
+    ) -> DocumentScores:
+        """Score ``prefix + suffix`` for every prefix, all at once.
+
+        ``n_query > 0``: the mean log-probability of the suffix's last ``n_query``
+        ids (query likelihood); else ``logsumexp log P(answer_ids[0]) -
+        logsumexp log P(answer_ids[1])`` for the token after the prompt (judge).
+        ``reuse``: load stored prefix caches (and store the missing ones); False
+        computes every prompt whole (the reference). ``store``: where prefix
+        caches live (None: the engine's own).
+        """
+        ...
+
+    def encode_documents(
+        self,
+        prefixes: Sequence[Sequence[int]],
+        *,
+        key_space: str = "",
+        store: Any = None,
+        batch_size: int = 16,
+    ) -> DocumentScores:
+        """Store the caches of ``prefixes`` not stored yet (``encoded``: how many)."""
+        ...
+
+
+SCORER_MEMBERS = ("tokenizer", "context_window", "scoring_fingerprint", "score_documents")
+
+
+def check_scorer(engine: Any, what: str = "the reranker's engine") -> DocumentScorer:
+    """``engine`` if it implements ``DocumentScorer``, else an ``UnsupportedEngineError``
+    naming what it lacks (raised at the reranker's construction, not deep inside).
+
+    Examples:
+        >>> check_scorer(object())
+        Traceback (most recent call last):
+        ...
+        kvrag_integrations.errors.UnsupportedEngineError: the reranker's engine must be \
+a KVRAGEngine or VLLMEngine (an engine.protocol.DocumentScorer); object lacks \
+context_window, encode_documents, score_documents, scoring_fingerprint, tokenizer
+    """
+    names = (*SCORER_MEMBERS, "encode_documents")
+    missing = sorted(n for n in names if inspect.getattr_static(engine, n, None) is None)
+    if not missing:
+        return engine
+    raise UnsupportedEngineError(
+        f"{what} must be a KVRAGEngine or VLLMEngine (an engine.protocol.DocumentScorer); "
+        f"{type(engine).__name__} lacks {', '.join(missing)}"
+    )

@@ -33,7 +33,7 @@ class KVRerankCompressor(BaseDocumentCompressor):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    engine: KVRAGEngine | None = Field(default=None, exclude=True, repr=False)
+    engine: Any = Field(default=None, exclude=True, repr=False)  # KVRAGEngine or VLLMEngine
     reranker: Any = Field(default=None, exclude=True, repr=False)
     top_n: int | None = Field(default=3, ge=1)
     score_key: str = "relevance_score"

@@ -12,26 +12,25 @@ that judges this document: it is encoded once (positions ``0..P-1``), stored, an
 for each query only the suffix (``P..P+S-1``) runs through the model. Scores with
 reuse equal scores without it up to float rounding.
 
-Candidates are scored in batches with a static padded layout over their cached
-prefixes (``rerank.scoring``: inputs, mask, batch cache and the two scores).
+The engine scores (``engine.protocol.DocumentScorer``): ``KVRAGEngine`` in
+batches with a static padded layout over the cached prefixes (``rerank.scoring``),
+``VLLMEngine`` with one request per candidate, each loading its document's entry
+at position 0, all in flight at once (``vllm.scoring``; docs/vllm.md).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvrag_integrations.chunk_kv import ChunkKV, cache_key
-from kvrag_integrations.engine.modeling.hf_compat import cache_argument
+from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.engine.prompting.segments import check_text, check_texts
-from kvrag_integrations.errors import UnsupportedModelError
-from kvrag_integrations.rerank.scoring import batch_cache, batch_inputs, judge, query_likelihood
+from kvrag_integrations.engine.protocol import DocumentScorer, check_scorer
 from kvrag_integrations.rerank.templates import (
     UPR_TEMPLATE,
     RerankTemplate,
@@ -75,17 +74,29 @@ def _check_top_n(top_n: Any) -> int | None:
     return top_n
 
 
+def _num_parameters(engine: Any) -> int | None:
+    """The model's parameter count where the engine holds its weights (None: vLLM)."""
+    model = getattr(engine, "model", None)
+    if model is None or not hasattr(model, "parameters"):
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
 class KVReranker:
     """Scores documents against a query with a decoder LM, reusing document caches.
 
     Args:
-        engine: a ``KVRAGEngine`` (its model, tokenizer, lock and store are used).
+        engine: a ``KVRAGEngine`` or a ``VLLMEngine`` (in process or connected to a
+            server): anything implementing ``engine.protocol.DocumentScorer``.
+            Another object raises ``UnsupportedEngineError`` here.
         top_n: how many ``(index, score)`` pairs ``rerank`` returns (None: all).
         template: a preset name (``"default"``, ``"qwen3-reranker"``,
             ``"bge-gemma"``) or a ``RerankTemplate``.
-        store: where prefix caches live (default: ``engine.store``). Their keys
-            live in their own space, so sharing the engine's store is safe.
-        batch_size: candidates per forward.
+        store: where prefix caches live in process (default: ``engine.store``).
+            Their keys live in their own space, so sharing the engine's store is
+            safe. On vLLM, None: entries live in the connector's store.
+        batch_size: candidates per forward in process (vLLM batches every
+            candidate of a call, and of concurrent calls, itself).
         scoring: ``"query_likelihood"`` (UPR: mean ``log P(query | document)``,
             template ``"upr"``) or ``"judge"`` (``log P(yes) - log P(no)``). None
             (default): ``"judge"`` when a judging ``template`` is given, else
@@ -117,18 +128,20 @@ class KVReranker:
             scoring = "judge" if judging else "query_likelihood"
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
-        self.engine = engine
+        self.engine: DocumentScorer = check_scorer(engine)
         self.scoring = scoring
         self.top_n = _check_top_n(top_n)
         if template is None and scoring == "query_likelihood":
             template = UPR_TEMPLATE
         self.template = get_template(template)
-        self.store: KVStore = store if store is not None else engine.store
+        # In process, prefix caches live in ``store`` (default: the engine's); on vLLM
+        # in the connector's store (``store`` must then be None).
+        self.store: KVStore | None = store if store is not None else getattr(engine, "store", None)
         self.batch_size = batch_size
         self.stats = RerankStats()
         self.prompt = TokenizedTemplate(self.template, engine.tokenizer)
-        n_params = sum(p.numel() for p in engine.model.parameters())
-        if n_params < SMALL_MODEL_PARAMS:
+        n_params = _num_parameters(engine)
+        if n_params is not None and n_params < SMALL_MODEL_PARAMS:
             logger.warning(
                 "reranking with %s (%dM parameters), a weak reranker: %s.",
                 getattr(engine, "model_name", "this model"),
@@ -162,8 +175,10 @@ class KVReranker:
     # ------------------------------------------------------------------ keys
     @property
     def fingerprint(self) -> str:
-        """The fingerprint of prefix caches: the model's plus ``|rerank|<template>``."""
-        return f"{self.engine.fingerprint}|rerank|{self.template.name}"
+        """The fingerprint of prefix caches (``engine.scoring_fingerprint``): in process
+        the model's plus ``|rerank|<template>``; on vLLM the connector's (shared with
+        chunk entries whose ids agree)."""
+        return self.engine.scoring_fingerprint(self.template.name)
 
     def prefix_ids(self, document: str) -> torch.Tensor:
         """Token ids of ``[instruction][document]`` (see ``TokenizedTemplate``)."""
@@ -189,9 +204,14 @@ class KVReranker:
         """
         docs = check_texts(documents, "documents")
         unique = list(dict.fromkeys(d for d in docs if d.strip()))
-        before = self.stats.prefixes_encoded
-        self._prefix_caches([self.prefix_ids(d) for d in unique])
-        return self.stats.prefixes_encoded - before
+        result = self.engine.encode_documents(
+            [self.prefix_ids(d).tolist() for d in unique],
+            key_space=self.template.name,
+            store=self.store,
+            batch_size=self.batch_size,
+        )
+        self._count(result)
+        return result.encoded
 
     def score(self, query: str, documents: Sequence[str], *, reuse: bool = True) -> list[float]:
         """Relevance scores, in input order: ``log P(yes) - log P(no)`` (judge) or
@@ -234,9 +254,18 @@ class KVReranker:
             suffix, n_query = torch.cat([lead, query_ids]), query_ids.numel()
         else:
             suffix = self.suffix_ids(query)
-        self._check_fits(max(p.numel() for p in prefixes) + suffix.numel())
-        kvs = self._prefix_caches(prefixes) if reuse else None
-        values = self._score_batches(prefixes, suffix, kvs, n_query)
+        result = self.engine.score_documents(
+            [p.tolist() for p in prefixes],
+            suffix.tolist(),
+            n_query=n_query,
+            answer_ids=(self.prompt.yes_ids, self.prompt.no_ids),
+            reuse=reuse,
+            key_space=self.template.name,
+            store=self.store,
+            batch_size=self.batch_size,
+        )
+        self._count(result)
+        values = result.scores
         self.stats.scored += len(values)
         for indices, value in zip(where.values(), values, strict=True):
             for i in indices:
@@ -265,94 +294,10 @@ class KVReranker:
         return [(i, scores[i]) for i in order[:limit]]
 
     # ------------------------------------------------------------- internals
-    def _check_fits(self, n_tokens: int) -> None:
-        self.engine.check_fits(n_tokens, "a rerank prompt")
-        windows = [w for w in self.engine.loaded.layout.windows if w is not None]
-        window = min(windows, default=None)
-        # Our explicit 4D mask is full attention; a sliding-window layer would see
-        # more than it was trained to, so refuse instead of scoring silently wrong.
-        if window is not None and n_tokens > window:
-            raise UnsupportedModelError(
-                f"a rerank prompt of {n_tokens} tokens exceeds the sliding window ({window})"
-            )
-
-    def _prefix_caches(self, prefixes: list[torch.Tensor]) -> list[ChunkKV]:
-        """Stored prefix caches, in order; missing ones are encoded (batched) and stored:
-        the engine's ``caches.fetch_or_encode`` in this reranker's key space, at the
-        model's precision."""
-        fetched = self.engine.caches.fetch_or_encode(
-            prefixes,
-            store=self.store,
-            fingerprint=self.fingerprint,
-            precision="model",
-            batch_size=self.batch_size,
-        )
-        found, keys, missing = fetched.caches, fetched.keys, fetched.encoded
-        self.stats.prefixes_reused += fetched.reused
-        self.stats.forward_s += fetched.encode_s
-        self.stats.prefixes_encoded += len(missing)
-        device, dtype = self.engine.device, self.engine.dtype
-        return [found[k].to(device, dtype) for k in keys]
-
-    def _score_batches(
-        self,
-        prefixes: list[torch.Tensor],
-        suffix: torch.Tensor,
-        kvs: list[ChunkKV] | None,
-        n_query: int = 0,
-    ) -> list[float]:
-        """Scores, in order: with ``kvs`` only the suffix is computed over each cached
-        prefix; without, a plain forward of ``prefix + suffix`` ids (the reference)."""
-        out = [0.0] * len(prefixes)
-        # Longest first, so the rows of one batch have similar lengths (less padding).
-        order = sorted(range(len(prefixes)), key=lambda i: -prefixes[i].numel())
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start : start + self.batch_size]
-            if kvs is None:
-                ids, lens, batch = [torch.cat([prefixes[i], suffix]) for i in rows], None, None
-            else:
-                ids, batch = [suffix] * len(rows), [kvs[i] for i in rows]
-                lens = [kv.num_tokens for kv in batch]
-            values = self._forward(ids, lens, batch, n_query)
-            for i, value in zip(rows, values, strict=True):
-                out[i] = value
-        return out
-
-    @torch.no_grad()
-    def _forward(
-        self,
-        ids: list[torch.Tensor],
-        prefix_lens: list[int] | None,
-        kvs: list[ChunkKV] | None,
-        n_query: int = 0,
-    ) -> list[float]:
-        """One batched forward; returns each row's score at its last token.
-
-        Row ``r`` has ``prefix_lens[r]`` cached tokens (from ``kvs``) at positions
-        ``0..P_r-1`` and computes ``ids[r]`` at positions ``P_r..`` (no cache: ``P_r = 0``;
-        layout: ``scoring.batch_inputs``). With ``n_query``, the last ``n_query`` ids
-        of every row are the query and the score is their mean log-probability
-        (query likelihood).
-        """
-        prefix_lens = prefix_lens or [0] * len(ids)
-        device = self.engine.device
-        pad_id = int(self.engine.tokenizer.pad_token_id)
-        input_ids, positions, mask = batch_inputs(ids, prefix_lens, pad_id, self.engine.dtype)
-        cache = batch_cache(kvs, max(prefix_lens)) if kvs is not None else None
-        started = time.perf_counter()
-        with self.engine.exclusive():
-            out = self.engine.model(
-                input_ids=input_ids.to(device),
-                position_ids=positions.to(device),
-                attention_mask=mask.to(device) if mask is not None else None,
-                **cache_argument(self.engine.model, cache),
-                use_cache=cache is not None,
-                logits_to_keep=n_query + 1 if n_query else 1,
-            )
-        self.stats.forward_s += time.perf_counter() - started
-        if n_query:
-            return query_likelihood(out.logits, input_ids, n_query)
-        return judge(out.logits, self.prompt.yes_ids, self.prompt.no_ids)
+    def _count(self, result: Any) -> None:
+        self.stats.prefixes_reused += result.reused
+        self.stats.prefixes_encoded += result.encoded
+        self.stats.forward_s += result.forward_s
 
 
 __all__ = ["KVReranker", "RerankStats"]

@@ -30,6 +30,10 @@ class BackendRequest:
         logprobs: the top log-probabilities to return per token (None: none).
         stream: answer as it is generated; False answers whole (chunk encoding:
             over HTTP only a whole answer carries the connector's reply).
+        logprob_token_ids: ids whose log-probabilities to return for the first
+            new token (raw: before any sampling processor), besides the sampled one.
+        prompt_logprobs: return each prompt token's log-probability (answers
+            whole; rows vLLM did not compute, loaded or cached, are meaningless).
     """
 
     prompt_ids: list[int]
@@ -38,6 +42,8 @@ class BackendRequest:
     params: dict[str, Any] | None = None
     logprobs: int | None = None
     stream: bool = True
+    logprob_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: bool = False
 
 
 @dataclass
@@ -51,6 +57,9 @@ class BackendEvent:
     finish_reason: str | None = None
     reply: Reply | None = None
     logprobs: dict[int, float] | None = None  # of the first new token, when asked
+    # Where asked: per prompt position, the log-probability of the prompt's token
+    # there (None at 0, and meaningless where vLLM did not compute the row).
+    prompt_logprobs: list[float | None] | None = None
 
 
 class Backend(Protocol):

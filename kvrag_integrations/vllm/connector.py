@@ -116,7 +116,14 @@ class KVRAGConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+        matched = self._scheduler.matched_tokens(request, num_computed_tokens)
+        if matched and getattr(request, "skip_reading_prefix_cache", False):
+            # A request reading prompt log-probabilities skips vLLM's prefix cache
+            # (its lookup has run: nothing hit), and vLLM would drop our load too. An
+            # admitted load is exact and the rows after it are computed: keep it
+            # (the reranker's query likelihood reads only those rows).
+            request.skip_reading_prefix_cache = False
+        return matched, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

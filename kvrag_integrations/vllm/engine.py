@@ -53,6 +53,7 @@ from kvrag_integrations.errors import ConnectorMissingError, TransferParamsError
 from kvrag_integrations.vllm import launch
 from kvrag_integrations.vllm.backend import Backend, BackendRequest, sampling_args
 from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
+from kvrag_integrations.vllm.scoring import VLLMScoring
 from kvrag_integrations.vllm.trust import Tenant
 from kvrag_integrations.vllm.turbo import account, check_strategy, load_run
 
@@ -66,7 +67,7 @@ _MAX_PREFIXES = 256  # leading texts remembered as encoded
 _AWAIT_ENCODE_S = 30.0
 
 
-class VLLMEngine(EngineFrontend):
+class VLLMEngine(VLLMScoring, EngineFrontend):
     """Answers over retrieved chunks on vLLM, reusing their stored KV caches.
 
     Build one with ``from_pretrained`` (vLLM in this process) or ``connect``
@@ -376,6 +377,8 @@ class VLLMEngine(EngineFrontend):
         """Stop background encoding and release vLLM (or the connection)."""
         self._background.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._score_pool is not None:
+            self._score_pool.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
 
     def __enter__(self) -> VLLMEngine:

@@ -34,6 +34,10 @@ class LocalBackend:
         name: the model name reported to the adapters.
     """
 
+    # Prompt log-probabilities are read without text: rows a load left uncomputed
+    # are never decoded (vllm.scoring reads only the computed rows).
+    prompt_rows_after_load = True
+
     def __init__(self, engine_args: dict[str, Any], name: str) -> None:
         self.model_name = name
         self._loop = asyncio.new_event_loop()
@@ -79,8 +83,14 @@ class LocalBackend:
         from vllm.sampling_params import RequestOutputKind
 
         extra = {"kv_transfer_params": request.params} if request.params else None
+        scoring: dict[str, Any] = {}
+        if request.logprob_token_ids:
+            scoring["logprob_token_ids"] = list(request.logprob_token_ids)
+        if request.prompt_logprobs:  # rows not computed are left as they are: no text
+            scoring.update(prompt_logprobs=0, detokenize=False)
         params = SamplingParams(
             **request.sampling,
+            **scoring,
             logprobs=request.logprobs,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra,
@@ -91,7 +101,10 @@ class LocalBackend:
         first = True
         try:
             async for output in self._engine.generate(prompt, params, request_id):
-                out.put(_event(output, first))
+                event = _event(output, first)
+                if first and request.prompt_logprobs:
+                    event.prompt_logprobs = _prompt_logprobs(output, request.prompt_ids)
+                out.put(event)
                 first = False
         except Exception as exc:  # raised again on the caller's thread, same type
             out.put(exc)
@@ -144,3 +157,14 @@ def _event(output: Any, first: bool) -> BackendEvent:
     if first and completion.logprobs:
         event.logprobs = {int(i): float(lp.logprob) for i, lp in completion.logprobs[0].items()}
     return event
+
+
+def _prompt_logprobs(output: Any, prompt_ids: list[int]) -> list[float | None] | None:
+    rows = output.prompt_logprobs
+    if rows is None:
+        return None
+    out: list[float | None] = []
+    for row, token in zip(rows, prompt_ids):
+        logprob = row.get(token) if row else None
+        out.append(None if logprob is None else float(logprob.logprob))
+    return out

@@ -24,6 +24,8 @@ from kvrag_integrations.errors import ServerError
 from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
 from kvrag_integrations.vllm.params import Reply
 
+_MAX_WHOLE = 32
+
 
 class ServerBackend:
     """The client of one vLLM OpenAI server (see ``backend.Backend``).
@@ -35,6 +37,10 @@ class ServerBackend:
         timeout: seconds to wait for a connection or a piece of an answer.
     """
 
+    # The API detokenizes every prompt row, those a load left uncomputed too (garbage
+    # ids: a 500): query likelihood with loads scores token by token (vllm.scoring).
+    prompt_rows_after_load = False
+
     def __init__(
         self,
         base_url: str,
@@ -45,6 +51,9 @@ class ServerBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         root = base_url.rstrip("/").removesuffix("/v1")
         self._client = httpx.Client(base_url=f"{root}/v1", headers=headers, timeout=timeout)
+        # Whole answers in flight at once (the reranker sends many): more made httpx
+        # fail with EBADF under a few hundred threads; vLLM batches what is in flight.
+        self._slots = threading.BoundedSemaphore(_MAX_WHOLE)
         try:
             models = self._client.get("/models")
             models.raise_for_status()
@@ -64,8 +73,8 @@ class ServerBackend:
     def submit(self, request: BackendRequest, cancel: threading.Event) -> Iterator[BackendEvent]:
         """Stream one request (or answer it whole: ``request.stream`` false)."""
         body = self._body(request)
-        if not request.stream:
-            yield self._whole(body)
+        if not request.stream or request.prompt_logprobs:
+            yield self._whole(body, request)
             return
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -83,22 +92,32 @@ class ServerBackend:
         except httpx.HTTPError as exc:
             raise ServerError(f"the vLLM server failed the request: {exc}") from exc
 
-    def _whole(self, body: dict[str, Any]) -> BackendEvent:
+    def _whole(self, body: dict[str, Any], request: BackendRequest) -> BackendEvent:
         try:
-            response = self._client.post("/completions", json=body)
+            with self._slots:
+                response = self._client.post("/completions", json=body)
         except httpx.HTTPError as exc:
             raise ServerError(f"the vLLM server failed the request: {exc}") from exc
         _raise_for(response)
         data = response.json()
         choice = data["choices"][0]
         details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-        return BackendEvent(
+        event = BackendEvent(
             text=choice.get("text") or "",
             token_ids=list(choice.get("token_ids") or []),
             cached_tokens=details.get("cached_tokens"),
             finish_reason=choice.get("finish_reason"),
             reply=Reply.from_output(data.get("kv_transfer_params")),
         )
+        top = (choice.get("logprobs") or {}).get("top_logprobs") or []
+        if top and top[0]:
+            event.logprobs = {_token_id(t): float(lp) for t, lp in top[0].items()}
+        rows = choice.get("prompt_logprobs")
+        if request.prompt_logprobs and rows is not None:
+            event.prompt_logprobs = [
+                _row_logprob(row, token) for row, token in zip(rows, request.prompt_ids)
+            ]
+        return event
 
     def _body(self, request: BackendRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -111,9 +130,13 @@ class ServerBackend:
             body["cache_salt"] = request.salt
         if request.params:
             body["kv_transfer_params"] = request.params
-        if request.logprobs:
-            body["logprobs"] = request.logprobs
+        if request.logprobs or request.logprob_token_ids:
+            body["logprobs"] = request.logprobs or 1
             body["return_tokens_as_token_ids"] = True
+        if request.logprob_token_ids:
+            body["logprob_token_ids"] = list(request.logprob_token_ids)
+        if request.prompt_logprobs:
+            body["prompt_logprobs"] = 0
         return body
 
     def close(self) -> None:
@@ -153,3 +176,14 @@ def _sse_event(line: str, first: bool) -> BackendEvent | None:
 def _token_id(token: str) -> int:
     """``"token_id:123"`` (``return_tokens_as_token_ids``) -> 123."""
     return int(token.rsplit(":", 1)[-1])
+
+
+def _row_logprob(row: Any, token: int) -> float | None:
+    """The log-probability of ``token`` in one row of a response's ``prompt_logprobs``."""
+    if not isinstance(row, dict):
+        return None
+    for key, value in row.items():
+        if _token_id(str(key)) == token:
+            logprob = value.get("logprob") if isinstance(value, dict) else value
+            return float(logprob) if isinstance(logprob, (int, float)) else None
+    return None

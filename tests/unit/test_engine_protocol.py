@@ -96,6 +96,7 @@ FRONT_DOOR = {
 }
 HOOKS = {"check_options", "context_window", "request_job"}
 BOTH = {"from_pretrained", "wait_for_encoding"}
+SCORING = {"scoring_fingerprint", "encode_documents", "score_documents"}  # DocumentScorer
 OWN = {
     KVRAGEngine: {
         "cache_precision",
@@ -121,8 +122,16 @@ def _public(cls: type) -> set[str]:
 
 @pytest.mark.parametrize("engine_class", [KVRAGEngine, VLLMEngine])
 def test_every_public_member_is_placed(engine_class: type) -> None:
-    placed = set(ENGINE_MEMBERS) | FRONT_DOOR | HOOKS | BOTH | OWN[engine_class]
+    placed = set(ENGINE_MEMBERS) | FRONT_DOOR | HOOKS | BOTH | SCORING | OWN[engine_class]
     assert _public(engine_class) == placed
+
+
+@pytest.mark.parametrize("engine_class", [KVRAGEngine, VLLMEngine])
+@pytest.mark.parametrize("name", sorted(SCORING))
+def test_every_engine_scores_documents_alike(engine_class: type, name: str) -> None:
+    from kvrag_integrations.engine.protocol import DocumentScorer
+
+    assert _parameters(engine_class, name) == _parameters(DocumentScorer, name)
 
 
 @pytest.mark.parametrize("engine_class", [KVRAGEngine, VLLMEngine])

@@ -1,0 +1,253 @@
+"""``VLLMEngine``'s side of ``protocol.DocumentScorer``: the decoder reranker on vLLM.
+
+Each document's prefix (``[instruction][document]`` ids) is one entry, stored
+like a chunk by a prefill-only encode request (the whole prompt as one entry,
+shared with a chunk entry whose ids agree). Scoring a candidate is one request
+for ``prefix + suffix`` that loads the entry at position 0 (exact: no key moves)
+under the salt of its tenant and layout, so vLLM computes only the suffix. Every
+candidate of a call is in flight at once, and vLLM's continuous batching scores
+them (and the candidates of concurrent calls) together.
+
+- ``judge``: one new token with ``logprob_token_ids`` = the yes and no ids: vLLM
+  returns their raw log-probabilities (``logprobs_mode="raw_logprobs"``, the
+  default: before any sampling processor).
+- query likelihood: the prompt's log-probabilities (``prompt_logprobs=0``) of the
+  query tokens, which lie in the computed suffix. vLLM skips its prefix cache and
+  external loads for such requests; the connector keeps an admitted load (the
+  rows it needs are computed after it), and a request whose needed rows vLLM did
+  not compute (``cached_tokens``) is scored again whole.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvrag_integrations.engine.protocol import DocumentScores
+from kvrag_integrations.errors import (
+    ServerError,
+    TransferParamsError,
+    UnsupportedInputError,
+    check_fits,
+)
+from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
+
+_SCORE = {"max_tokens": 1, "temperature": 0.0}
+_MAX_SCORING_THREADS = 512  # requests in flight at once (vLLM batches them)
+
+
+@dataclass
+class Outcome:
+    """What one scoring request returned."""
+
+    first: dict[int, float] | None = None  # first new token's log-probabilities
+    prompt: list[float | None] | None = None  # per prompt position
+    cached: int = 0  # prompt tokens vLLM did not compute
+    reply: Reply | None = None
+
+
+def collect(events: Any) -> Outcome:
+    """One request's events folded into an ``Outcome``."""
+    out = Outcome()
+    event: BackendEvent
+    for event in events:
+        out.first = event.logprobs if event.logprobs is not None else out.first
+        out.prompt = event.prompt_logprobs if event.prompt_logprobs is not None else out.prompt
+        out.cached = event.cached_tokens if event.cached_tokens is not None else out.cached
+        out.reply = event.reply or out.reply
+    if out.reply is not None:
+        if out.reply.refused:
+            raise TransferParamsError(f"the KV connector refused the request: {out.reply.refused}")
+        out.cached -= out.reply.recomputed
+    return out
+
+
+def judge_score(first: dict[int, float] | None, yes: Sequence[int], no: Sequence[int]) -> float:
+    """``logsumexp log P(yes) - logsumexp log P(no)`` from one token's log-probabilities
+    (no ``no`` ids: ``logsumexp log P(yes)``)."""
+    if not first or any(i not in first for i in (*yes, *no)):
+        raise ServerError("vLLM did not return the log-probabilities of the answer tokens")
+    score = _logsumexp([first[i] for i in yes])
+    return score - _logsumexp([first[i] for i in no]) if no else score
+
+
+def query_score(prompt: list[float | None] | None, n_query: int) -> float:
+    """The mean log-probability of the prompt's last ``n_query`` tokens."""
+    rows = (prompt or [])[-n_query:]
+    if len(rows) != n_query or any(r is None for r in rows):
+        raise ServerError("vLLM did not return the query tokens' prompt log-probabilities")
+    return sum(rows) / n_query  # type: ignore[arg-type]
+
+
+def _logsumexp(values: list[float]) -> float:
+    top = max(values)
+    if top == -math.inf:
+        return top
+    return top + math.log(sum(math.exp(v - top) for v in values))
+
+
+class VLLMScoring:
+    """The ``DocumentScorer`` methods of ``VLLMEngine`` (a mixin)."""
+
+    backend: Any
+    tenant: str
+    tokenizer: Any
+    context_window: int
+    fingerprint: str
+    _lock: threading.Lock
+    _score_pool: ThreadPoolExecutor | None = None
+
+    def scoring_fingerprint(self, key_space: str) -> str:
+        """The connector's: a document's entry is keyed by its ids alone (a chunk
+        entry with the same ids is the same entry)."""
+        return self.fingerprint
+
+    def _scoring_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._score_pool is None:
+                self._score_pool = ThreadPoolExecutor(_MAX_SCORING_THREADS, "kvrag-score")
+            return self._score_pool
+
+    def encode_documents(
+        self,
+        prefixes: Sequence[Sequence[int]],
+        *,
+        key_space: str = "",
+        store: Any = None,
+        batch_size: int = 16,
+    ) -> DocumentScores:
+        _check_store(store)
+        started = time.perf_counter()
+        entries = list(dict.fromkeys(tuple(p) for p in prefixes))
+        params = TransferParams(tenant=self.tenant)
+        engine: Any = self
+        replies = list(self._scoring_pool().map(lambda e: engine._encode(e, params), entries))
+        stored = sum(r.stored for r in replies)
+        return DocumentScores([], len(entries) - stored, stored, time.perf_counter() - started)
+
+    def score_documents(
+        self,
+        prefixes: Sequence[Sequence[int]],
+        suffix: Sequence[int],
+        *,
+        n_query: int = 0,
+        answer_ids: tuple[Sequence[int], Sequence[int]] = ((), ()),
+        reuse: bool = True,
+        key_space: str = "",
+        store: Any = None,
+        batch_size: int = 16,
+    ) -> DocumentScores:
+        _check_store(store)
+        heads = [list(p) for p in prefixes]
+        out = DocumentScores()
+        if not heads:
+            return out
+        check_fits(max(map(len, heads)) + len(suffix), self.context_window, "a rerank prompt", 1)
+        started = time.perf_counter()
+        pool = self._scoring_pool()
+        yes, no = answer_ids
+        answers = tuple(sorted({*yes, *no}))
+        tail = list(suffix)
+        if n_query and reuse and not getattr(self.backend, "prompt_rows_after_load", False):
+            return self._score_by_tokens(heads, tail, n_query, out, started)
+        futures = [pool.submit(self._score_one, h, tail, n_query, answers, reuse) for h in heads]
+        outcomes = [f.result() for f in futures]
+        for outcome in outcomes:
+            if n_query:
+                out.scores.append(query_score(outcome.prompt, n_query))
+            else:
+                out.scores.append(judge_score(outcome.first, yes, no))
+        return self._finish(heads, outcomes, reuse, out, started)
+
+    def _score_by_tokens(
+        self,
+        heads: list[list[int]],
+        tail: list[int],
+        n_query: int,
+        out: DocumentScores,
+        started: float,
+    ) -> DocumentScores:
+        """Query likelihood where prompt rows after a load cannot be read (a server:
+        its API detokenizes every row, and the loaded ones were never computed): one
+        request per query token, ``logprob_token_ids`` = that token, each loading
+        the document's entry; all in flight at once."""
+        pool = self._scoring_pool()
+        jobs = []
+        for head in heads:
+            prompt = head + tail
+            for pos in range(len(prompt) - n_query, len(prompt)):
+                job = (prompt[:pos], len(head), 0, (prompt[pos],))
+                jobs.append((prompt[pos], pool.submit(self._request, *job)))
+        firsts = [(token, future.result()) for token, future in jobs]
+        outcomes = []
+        for i in range(len(heads)):
+            mine = firsts[i * n_query : (i + 1) * n_query]
+            rows = [judge_score(o.first, [token], []) for token, o in mine]
+            out.scores.append(sum(rows) / n_query)
+            outcomes.append(min((o for _, o in mine), key=lambda o: o.cached))
+        return self._finish(heads, outcomes, True, out, started)
+
+    def _finish(
+        self,
+        heads: list[list[int]],
+        outcomes: list[Outcome],
+        reuse: bool,
+        out: DocumentScores,
+        started: float,
+    ) -> DocumentScores:
+        """Count reuse; store the documents computed whole this time."""
+        missing = []
+        for head, outcome in zip(heads, outcomes):
+            if reuse and outcome.cached >= len(head):
+                out.reused += 1
+            elif reuse:
+                missing.append(head)
+        if missing:  # computed whole this time: stored for the next call
+            encoded = self.encode_documents(missing)
+            out.encoded, out.reused = encoded.encoded, out.reused + encoded.reused
+        out.forward_s = time.perf_counter() - started
+        return out
+
+    def _score_one(
+        self, head: list[int], suffix: list[int], n_query: int, answers: tuple[int, ...], load: bool
+    ) -> Outcome:
+        """One candidate's request (query likelihood: again whole where vLLM did not
+        compute a row the score needs)."""
+        outcome = self._request(head + suffix, len(head) if load else 0, n_query, answers)
+        first_row = len(head) + len(suffix) - n_query - 1  # predicts the first query token
+        if n_query and load and outcome.cached > first_row:
+            outcome = self._request(head + suffix, 0, n_query, answers)
+        return outcome
+
+    def _request(
+        self, prompt: list[int], load: int, n_query: int, answers: tuple[int, ...]
+    ) -> Outcome:
+        pieces = (PieceSpec(0, load),) if load else ()
+        params = TransferParams(load=pieces, tenant=self.tenant)
+        request = BackendRequest(
+            prompt,
+            dict(_SCORE),
+            params.salt(),
+            params.as_request() if pieces else None,
+            stream=False,
+            logprob_token_ids=() if n_query else answers,
+            prompt_logprobs=bool(n_query),
+        )
+        return collect(self.backend.submit(request, threading.Event()))
+
+
+def _check_store(store: Any) -> None:
+    if store is not None:
+        raise UnsupportedInputError(
+            "on vLLM, document entries live in the connector's store: pass store=None "
+            "(start vLLM with the store instead)"
+        )
+
+
+__all__ = ["VLLMScoring", "collect", "judge_score", "query_score"]
