@@ -121,7 +121,13 @@ class KVRAGConnector(KVConnectorBase_V1):
             # A request reading prompt log-probabilities skips vLLM's prefix cache
             # (its lookup has run: nothing hit), and vLLM would drop our load too. An
             # admitted load is exact and the rows after it are computed: keep it
-            # (the reranker's query likelihood reads only those rows).
+            # (the reranker's query likelihood reads only those rows), but only for
+            # ids-only requests: the loaded rows have no log-probabilities, and
+            # detokenizing them fails (the OpenAI server always detokenizes; such a
+            # request then loads nothing and is computed whole).
+            params = getattr(request, "sampling_params", None)
+            if getattr(params, "detokenize", True):
+                return 0, False
             request.skip_reading_prefix_cache = False
         return matched, False
 
