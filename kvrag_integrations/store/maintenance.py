@@ -216,7 +216,9 @@ class StoreBudget:
                     target = max(0, int(self.max_bytes * self.low_water) - nbytes)
                     evicted = prune(self.store, max_bytes=target)
                     self.evicted += len(evicted)
-                    self._known = self._size()
+                    # what prune removed, not a third listing of the store
+                    freed = sum(e.nbytes for e in evicted) + evicted.temp_bytes_reclaimed
+                    self._known = max(0, self._known - freed)
             self._known += nbytes
             return True
 
