@@ -28,12 +28,14 @@ except ImportError:  # the unit tier: the same messages, without vLLM
 
 @dataclass(frozen=True)
 class PieceOp:
-    """One piece for the workers: its prompt span and its entry's ids
-    (``params.PieceSpec.op`` resolves them against the prompt)."""
+    """One piece for the workers: its prompt span, its entry's ids, and the entry
+    row the span starts at (``params.PieceSpec.op`` resolves them against the
+    prompt): prompt positions ``start ..`` are entry rows ``offset ..``."""
 
     start: int
     rows: int
     entry_ids: tuple[int, ...]
+    offset: int = 0
 
     @property
     def end(self) -> int:

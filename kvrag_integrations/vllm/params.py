@@ -8,11 +8,14 @@ sides read them. A request carries them in vLLM's per-request
 API: the request body's ``kv_transfer_params``):
 
 - ``load``: the prompt's leading run of stored pieces, each ``[start, rows,
-  tail]``: prompt positions ``start .. start + rows`` are read from the entry
-  whose ids are ``prompt[start : start + rows] + tail`` (``tail``: the chunk
-  suffix's ids where the prompt does not continue with it), its keys moved from
-  position 0 to ``start``. The run starts at 0 and has no gaps; the connector
-  loads its longest stored prefix and vLLM computes the rest (TurboRAG).
+  tail]`` or ``[start, rows, tail, lead]``: prompt positions ``start .. start +
+  rows`` are read from the entry whose ids are ``lead + prompt[start : start +
+  rows] + tail`` (``tail``: the chunk suffix's ids where the prompt does not
+  continue with it; ``lead``: the entry's ids before the piece, where a piece
+  is read from inside an entry: a passage found in a stored prompt), rows
+  ``len(lead) ..`` of it, its keys moved from ``len(lead)`` to ``start``. The
+  run starts at 0 and has no gaps; the connector loads its longest stored
+  prefix and vLLM computes the rest (TurboRAG).
 - ``save``: pieces of this prompt to store as entries (chunk encoding):
   ``[start, rows, []]``, the entry's ids ``prompt[start : start + rows]``.
 - ``overwrite``: store even where an entry exists (the admin role only).
@@ -32,6 +35,8 @@ the same key (``Reply``).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +50,8 @@ PARAMS_KEY = "kvrag"
 
 MAX_PIECES = 1024  # more pieces than any prompt has: a bound on what a request may ask
 MAX_TAIL = 64  # a chunk suffix is a few tokens: a bound on a piece's tail
+MAX_LEAD = 8192  # a piece read from inside an entry: at most an entry's length before it
+MAX_EDGE_IDS = 65536  # the ids of every piece's lead and tail together (a request's size)
 _FIELDS = {"load", "save", "overwrite", "tenant", "grant"}
 
 
@@ -56,6 +63,7 @@ class PieceSpec:
     start: int
     rows: int
     tail: tuple[int, ...] = ()
+    lead: tuple[int, ...] = ()  # the entry's ids before the piece (read from inside it)
 
     @property
     def end(self) -> int:
@@ -63,13 +71,17 @@ class PieceSpec:
 
     def entry_ids(self, prompt_ids: Sequence[int]) -> list[int]:
         """The ids of this piece's entry (the one place they are derived)."""
-        return [*prompt_ids[self.start : self.end], *self.tail]
+        return [*self.lead, *prompt_ids[self.start : self.end], *self.tail]
 
     def op(self, prompt_ids: Sequence[int]) -> PieceOp:
-        """This piece as the workers get it: its span and its entry's ids."""
-        return PieceOp(self.start, self.rows, tuple(self.entry_ids(prompt_ids)))
+        """This piece as the workers get it: its span, its entry's ids, and the
+        entry row it starts at."""
+        ids = tuple(self.entry_ids(prompt_ids))
+        return PieceOp(self.start, self.rows, ids, len(self.lead))
 
     def as_list(self) -> list[Any]:
+        if self.lead:
+            return [self.start, self.rows, list(self.tail), list(self.lead)]
         return [self.start, self.rows, list(self.tail)]
 
 
@@ -118,8 +130,10 @@ and follow each other; piece 0 starts at 1, not 0
 
     @property
     def layout(self) -> list[list[Any]]:
-        """The load run as ``[start, rows, tail]`` lists (what salts hash)."""
-        return [p.as_list() for p in self.load]
+        """The load run as ``[start, rows, tail]`` lists (what salts hash); a piece
+        read from inside an entry as ``[start, rows, tail digest, lead digest]``
+        (its entry's ids can be thousands)."""
+        return [p.as_list() if not p.lead else _digested(p) for p in self.load]
 
     def salt(self) -> str | None:
         """The ``cache_salt`` these params need, for a client's own tenant
@@ -173,6 +187,13 @@ and follow each other; piece 0 starts at 1, not 0
                 )
 
 
+def _digested(piece: PieceSpec) -> list[Any]:
+    def digest(ids: Sequence[int]) -> str:
+        return hashlib.sha256(array("q", ids).tobytes()).hexdigest()[:32]
+
+    return [piece.start, piece.rows, digest(piece.tail), digest(piece.lead)]
+
+
 def _int(value: Any, what: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise TransferParamsError(f"{what} must be an integer >= {low}, got {value!r}")
@@ -183,15 +204,35 @@ def _pieces(raw: Any, what: str) -> tuple[PieceSpec, ...]:
     if not isinstance(raw, list) or len(raw) > MAX_PIECES:
         raise TransferParamsError(f"{what} must be a list of at most {MAX_PIECES} pieces")
     out = []
+    edge_ids = 0
     for item in raw:
-        if not isinstance(item, list) or len(item) != 3 or not isinstance(item[2], list):
-            raise TransferParamsError(f"each {what} piece must be [start, rows, [tail ids]]")
+        if (
+            not isinstance(item, list)
+            or len(item) not in (3, 4)
+            or not all(isinstance(edge, list) for edge in item[2:])
+        ):
+            raise TransferParamsError(
+                f"each {what} piece must be [start, rows, [tail ids]] or "
+                "[start, rows, [tail ids], [lead ids]]"
+            )
         start = _int(item[0], f"{what} start", 0)
         rows = _int(item[1], f"{what} rows", 1)
-        if len(item[2]) > MAX_TAIL:
-            raise TransferParamsError(f"a {what} piece's tail has at most {MAX_TAIL} ids")
+        raw_lead = item[3] if len(item) == 4 else []
+        if len(raw_lead) > MAX_LEAD or (len(item[2]) > MAX_TAIL and not raw_lead):
+            raise TransferParamsError(
+                f"a {what} piece's tail has at most {MAX_TAIL} ids (a piece read from "
+                f"inside an entry: at most {MAX_LEAD} ids each side)"
+            )
+        if len(item[2]) > MAX_LEAD:
+            raise TransferParamsError(f"a {what} piece's tail has at most {MAX_LEAD} ids")
+        edge_ids += len(item[2]) + len(raw_lead)
+        if edge_ids > MAX_EDGE_IDS:
+            raise TransferParamsError(f"a request's pieces have at most {MAX_EDGE_IDS} edge ids")
         tail = tuple(_int(t, f"{what} tail id", 0) for t in item[2])
-        out.append(PieceSpec(start, rows, tail))
+        lead = tuple(_int(t, f"{what} lead id", 0) for t in raw_lead)
+        if what == "save" and lead:
+            raise TransferParamsError("a save piece has no lead")
+        out.append(PieceSpec(start, rows, tail, lead))
     return tuple(out)
 
 

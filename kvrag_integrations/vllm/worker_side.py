@@ -3,7 +3,8 @@
 Loading (before the step's forward): each piece's entry is read and verified by
 the store (integrity code, key, fingerprint), checked against this worker's
 layout (layers, KV heads, head size), cast to the cache's dtype, its keys moved
-from position 0 to the piece's start (``RotaryShift``, the same rotation the
+from the entry row the piece starts at (0, or inside an entry: a passage found in
+a stored prompt) to the piece's start (``RotaryShift``, the same rotation the
 in-process engine applies), and written per layer with the attention backend's
 own write op. A piece that cannot be loaded (missing since the lookup, corrupt,
 foreign, another shape) is a miss: its blocks and every later one of the
@@ -120,8 +121,11 @@ class WorkerSide:
         """
         ready: list[tuple[PieceOp, ChunkKV]] = []
         failed_at: int | None = None
+        read: dict[tuple[int, ...], ChunkKV | None] = {}  # pieces of one entry: one read
         for piece in op.pieces:
-            kv = self._entry(piece, op.namespace)
+            if piece.entry_ids not in read:
+                read[piece.entry_ids] = self._entry(piece, op.namespace)
+            kv = read[piece.entry_ids]
             if kv is None:
                 failed_at = max(piece.start, op.lo)
                 break
@@ -159,7 +163,9 @@ class WorkerSide:
             return None
         layers, heads, n, dim = kv.keys.shape
         lay = self.layout
-        if (layers, heads, dim) != (lay.num_layers, lay.kv_heads, lay.head_dim) or n < piece.rows:
+        if (layers, heads, dim) != (lay.num_layers, lay.kv_heads, lay.head_dim) or n < len(
+            piece.entry_ids
+        ):
             # Under this model's key, yet not its shape: never usable; dropped so
             # that it is encoded again (as the in-process engine's lookup does).
             logger.warning("entry %s has another shape %s; recomputed", key[:16], kv.keys.shape)
@@ -182,12 +188,17 @@ class WorkerSide:
         lo = op.lo
         device = next(iter(self.caches.values())).device  # moved and rotated where vLLM runs
         rows, deltas = [], []
+        moved: dict[int, ChunkKV] = {}  # an entry read once per op is moved once
         for piece, kv in ready:
             first, last = max(lo, piece.start) - piece.start, min(hi, piece.end) - piece.start
             if last > first:
                 # float32 while keys move (as the in-process engine's assembly does)
-                rows.append((kv.to(device, torch.float32), first, last))
-                deltas.append(torch.full((last - first,), piece.start, dtype=torch.long))
+                if id(kv) not in moved:
+                    moved[id(kv)] = kv.to(device, torch.float32)
+                a, b = piece.offset + first, piece.offset + last  # the entry's rows
+                rows.append((moved[id(kv)], a, b))
+                shift = piece.start - piece.offset  # entry row r lands at r + shift
+                deltas.append(torch.full((last - first,), shift, dtype=torch.long))
         delta = torch.cat(deltas)
         slots = self.slots(op.block_ids, lo, hi)
         rotations = {kind: rot.rotation(delta, device) for kind, rot in self.layout.rotary.items()}

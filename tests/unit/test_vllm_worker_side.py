@@ -141,6 +141,42 @@ def test_a_load_writes_each_piece_at_its_slots_with_its_keys_moved() -> None:
         assert torch.equal(values.transpose(0, 1), want_values)
 
 
+def test_pieces_read_from_inside_an_entry_land_with_their_keys_moved_by_the_gap() -> None:
+    # A stored prompt [1..10]; a new prompt holds its rows 6..9 first, then rows 1..4:
+    # each row r of the entry lands at prompt position r + (start - offset).
+    store = MemoryKVStore()
+    stored = entry(list(range(1, 11)))
+    store.put(stored)
+    side = worker(store)
+    ids = tuple(range(1, 11))
+    pieces = (PieceOp(0, 4, ids, 6), PieceOp(4, 4, ids, 1))
+    blocks = (2, 7)
+    reads = []
+    get = store.get
+    store.get = lambda key, fp: reads.append(key) or get(key, fp)  # type: ignore[method-assign]
+    assert side.load(LoadOp("r", blocks, 0, 8, pieces)) == 8
+    assert len(reads) == 1  # two pieces of one entry: one read
+    paged = side._paged()
+    for index in range(2):
+        keys, values = paged.read(side.caches[index], side.slots(blocks, 0, 8))
+        # moving row r from r to r + shift is turning it by shift: transformers' rotation
+        want = torch.cat(
+            [moved(stored.keys[index][:, 6:10], -6), moved(stored.keys[index][:, 1:5], 3)], dim=1
+        )
+        torch.testing.assert_close(keys.transpose(0, 1), want, rtol=1e-5, atol=1e-5)
+        want_values = torch.cat([stored.values[index][:, 6:10], stored.values[index][:, 1:5]], 1)
+        assert torch.equal(values.transpose(0, 1), want_values)
+
+
+def test_a_piece_beyond_its_entrys_rows_is_a_miss() -> None:
+    store = MemoryKVStore()
+    store.put(entry([1, 2, 3, 4]))
+    side = worker(store)
+    # the entry's ids say 4 rows; a piece asking rows 2..6 of an entry of other ids misses
+    written = side.load(LoadOp("r", (1, 2), 0, 4, (PieceOp(0, 4, (1, 2, 3, 4, 5, 6), 2),)))
+    assert written == 0 and side.take_failed_loads() == {"r": 0}
+
+
 def test_a_missing_piece_fails_its_blocks_and_every_later_one() -> None:
     store = MemoryKVStore()
     store.put(entry([5, 6, 7, 8, 9]))
