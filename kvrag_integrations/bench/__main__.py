@@ -10,8 +10,10 @@ token and store read throughput), ``cold`` (a request on uncached chunks: KVRAGL
 against plain prefill and HuggingFaceLLM), ``stores`` (turbo TTFT from memory, disk
 and Redis per storage precision), ``vllm`` (vLLM with the KV connector against vLLM
 alone and the in-process engine: reuse, TTFT, throughput, the frameworks on it;
-needs vLLM installed). ``all`` runs them in that order on one loaded model
-(``vllm`` apart: it is run by name). Each writes ``<suite>.json`` (numbers + machine facts + the
+needs vLLM installed), ``openai`` (plain OpenAI clients, LangChain's ``ChatOpenAI``
+and LlamaIndex's ``OpenAILike``, against the server with and without the connector;
+needs vLLM). ``all`` runs them in that order on one loaded model
+(``vllm`` and ``openai`` apart: they are run by name). Each writes ``<suite>.json`` (numbers + machine facts + the
 command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
 ``--quick`` shrinks every suite to a smoke run (a few items, tiny chunks).
 ``--dummy-weights`` makes ``--model`` a named shape (``llama-3.1-8b``, ...: see
@@ -36,6 +38,7 @@ from kvrag_integrations.bench import (
     attention,
     cold,
     memory,
+    openai_clients,
     peer,
     plots,
     quality,
@@ -66,9 +69,10 @@ SUITES: dict[str, ModuleType] = {
     "cold": cold,
     "stores": stores,
     "vllm": vllm_serving,
+    "openai": openai_clients,
 }
 # What ``all`` runs: every suite but those that need more than the package (vLLM).
-ALL = [name for name in SUITES if name != "vllm"]
+ALL = [name for name in SUITES if name not in ("vllm", "openai")]
 
 
 def _ints(text: str) -> list[int]:

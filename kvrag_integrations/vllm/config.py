@@ -29,6 +29,9 @@ LOAD_FAILURE_POLICY = "recompute"
 # The longest prompt a request may store as one entry (a chunk, a template's
 # head): bounds what one request writes.
 DEFAULT_MAX_ENTRY_TOKENS = 4096
+# The shortest prompt the OpenAI server stores whole so that its passages are found
+# in later requests (``detection``): shorter ones are rarely a retrieval prompt.
+DEFAULT_LEARN_MIN_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class ConnectorSettings:
         max_store_bytes: the store's budget (0: none): least recently used
             entries are evicted to make room for a new one.
         max_entry_tokens: the longest prompt a request may store as an entry.
+        detect: the OpenAI server finds stored passages in plain clients' requests
+            (``reuse_hook``), and the workers index what they store for it.
+        learn_min_tokens: the shortest prompt the server stores whole to find its
+            passages in later requests (0: it learns nothing from requests).
     """
 
     store: str
@@ -61,6 +68,8 @@ class ConnectorSettings:
     client_role: str = "write"
     max_store_bytes: int = 0
     max_entry_tokens: int = DEFAULT_MAX_ENTRY_TOKENS
+    detect: bool = True
+    learn_min_tokens: int = DEFAULT_LEARN_MIN_TOKENS
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store.strip():
@@ -71,12 +80,13 @@ class ConnectorSettings:
                 "processes: use disk:DIR or redis://host:port/db, not memory"
             )
         check_precision(self.cache_precision)
-        for name in ("memory_tier_bytes", "max_store_bytes", "max_entry_tokens"):
+        for name in ("memory_tier_bytes", "max_store_bytes", "max_entry_tokens", "learn_min_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.trusted_clients, bool):
-            raise ValueError("trusted_clients must be true or false")
+        for name in ("trusted_clients", "detect"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false")
         check_role(self.client_role)
 
     @classmethod

@@ -97,7 +97,14 @@ class KVRAGConnector(KVConnectorBase_V1):
             store = TieredKVStore(self._backend, max_bytes=tier) if tier else self._backend
             limit = self.settings.max_store_bytes
             budget = StoreBudget(self._backend, limit) if limit else None
-            self._worker = WorkerSide(store, self._fingerprints[rank], precision, layout, budget)
+            index_log = None
+            if self.settings.detect and rank == 0:  # one rank announces each entry
+                from kvrag_integrations.matching import open_index_log
+
+                index_log = open_index_log(self.settings.store)
+            self._worker = WorkerSide(
+                store, self._fingerprints[rank], precision, layout, budget, index_log
+            )
             self._worker.scheduler_block_size = vllm_config.cache_config.block_size
         logger.info(
             "KVRAGConnector (%s): store %s, precision %s, fingerprint %s",

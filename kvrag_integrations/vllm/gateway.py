@@ -1,4 +1,10 @@
-"""The OpenAI server's door for API keys that map to tenants (``serve --tenant-keys``).
+"""The OpenAI server's door: detection of stored passages, and API keys that map to tenants.
+
+``serve`` always installs this ASGI middleware (vLLM's ``--middleware``). At
+startup it wraps the server's engine client with ``reuse_hook`` (unless
+``$KVRAG_DETECT`` is ``0``: ``serve --no-detect``), so that plain OpenAI
+clients' requests reuse stored passages. With ``serve --tenant-keys`` it also
+guards the API.
 
 vLLM's own ``--api-key`` lets a key in, and nothing more. This ASGI middleware
 runs in vLLM's API server before vLLM reads a request: it looks the request's
@@ -33,6 +39,7 @@ its ``client_role``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -41,9 +48,13 @@ from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.vllm.params import PARAMS_KEY, TransferParams
+from kvrag_integrations.vllm.reuse_hook import install
 from kvrag_integrations.vllm.trust import ROLES, Grant, Tenant, request_salt, server_secret
 
+logger = logging.getLogger(__name__)
+
 KEYS_ENV = "KVRAG_TENANT_KEYS"
+DETECT_ENV = "KVRAG_DETECT"  # "0": no detection of stored passages in plain requests
 """The path of the key file (``serve --tenant-keys`` sets it for vLLM's processes)."""
 
 _GUARDED = ("/v1/", "/v2/", "/inference/")
@@ -97,18 +108,21 @@ class TenantGateway:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self.hooked = False
         path = os.environ.get(KEYS_ENV)
-        if not path:
-            raise RuntimeError(f"TenantGateway needs ${KEYS_ENV} (serve --tenant-keys sets it)")
-        secret = server_secret()
-        if secret is None:
-            raise RuntimeError("TenantGateway needs $KVRAG_SERVER_SECRET (serve sets one)")
-        self.secret = secret
-        self.keys = KeyFile.load(path)
+        self.keys: KeyFile | None = None
+        if path:
+            secret = server_secret()
+            if secret is None:
+                raise RuntimeError("TenantGateway needs $KVRAG_SERVER_SECRET (serve sets one)")
+            self.secret = secret
+            self.keys = KeyFile.load(path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.hooked:
+            self._hook(scope)
         path = scope.get("path", "")
-        if scope.get("type") != "http" or not path.startswith(_GUARDED):
+        if self.keys is None or scope.get("type") != "http" or not path.startswith(_GUARDED):
             await self.app(scope, receive, send)
             return
         grant = self.keys.keys.get(_bearer(scope))
@@ -126,6 +140,21 @@ class TenantGateway:
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         await self.app(scope, _replay(body, receive), send)
+
+    def _hook(self, scope: Scope) -> None:
+        """Install the detection of stored passages on the server's engine client
+        (at startup: the lifespan event comes after vLLM set up its app state)."""
+        state = getattr(scope.get("app"), "state", None)
+        engine_client = getattr(state, "engine_client", None)
+        if engine_client is None:
+            return
+        self.hooked = True
+        if os.environ.get(DETECT_ENV, "1") == "0":
+            return
+        try:
+            install(engine_client)
+        except Exception:  # the server still serves, as plain vLLM with the connector
+            logger.exception("kvrag: detection of stored passages not installed")
 
     def rewrite(self, body: bytes, grant: Grant) -> bytes:
         """The body of a keyed request with its tenant's grant and salt."""
@@ -146,16 +175,16 @@ class TenantGateway:
             except TransferParamsError:
                 transfer = {k: v for k, v in transfer.items() if k != PARAMS_KEY}
                 data["kv_transfer_params"] = transfer  # runs exactly, as plain vLLM
-        if params is not None:
-            ours = dict(transfer[PARAMS_KEY])  # type: ignore[index]
-            ours.pop("tenant", None)
-            ours["grant"] = grant.signed(self.secret)
-            data["kv_transfer_params"] = {**transfer, PARAMS_KEY: ours}  # type: ignore[dict-item]
-            salt = request_salt(tenant, params.layout)
-        elif grant.namespace:
-            salt = tenant.salt  # exact requests of the tenant stay apart in vLLM's cache
-        else:
-            return json.dumps(data).encode()
+        # Every keyed request carries its grant: the server's detection of stored
+        # passages (``reuse_hook``) reads the tenant from it, as the connector does.
+        ours = dict(transfer[PARAMS_KEY]) if params is not None else {}  # type: ignore[index]
+        ours.pop("tenant", None)
+        ours["grant"] = grant.signed(self.secret)
+        others = transfer if isinstance(transfer, dict) else {}
+        data["kv_transfer_params"] = {**others, PARAMS_KEY: ours}
+        # (a request without a load carries the tenant's exact salt: its exact
+        # blocks stay apart from other tenants' in vLLM's cache)
+        salt = request_salt(tenant, params.layout if params is not None else [])
         if salt is None:
             data.pop("cache_salt", None)
         else:

@@ -207,19 +207,24 @@ def join_server(
     return backend, source, None
 
 
-def server_command(
-    model: str | None, store: str, rest: list[str], middleware: bool = False, **settings: Any
-) -> list[str]:
+def server_command(model: str | None, store: str, rest: list[str], **settings: Any) -> list[str]:
     """The vLLM OpenAI server's command line for ``model`` with the connector on
     ``store`` (``settings``: the connector's, ``ConnectorSettings``), the engine
-    arguments ``start_local`` uses, and cached-token counts in the usage;
-    ``middleware``: the tenant gateway (``serve --tenant-keys``)."""
+    arguments ``start_local`` uses, cached-token counts in the usage, and the
+    gateway (detection of stored passages in plain requests; API keys)."""
     args = engine_args(model, transfer_config(store, **settings))
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    command += [*_flags(args), "--enable-prompt-tokens-details"]
-    if middleware:
-        command += ["--middleware", GATEWAY]
+    command += [*_flags(args), "--enable-prompt-tokens-details", "--middleware", GATEWAY]
     return command + rest
+
+
+def plain_server_command(model: str | None, rest: list[str]) -> list[str]:
+    """vLLM's own OpenAI server for ``model`` as ``server_command`` starts it, without
+    the connector (prefix caching on): what a server with it is compared with."""
+    args = engine_args(model, {})
+    args.pop("kv_transfer_config")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    return command + [*_flags(args), "--enable-prompt-tokens-details", *rest]
 
 
 def _flags(engine_args: dict[str, Any]) -> list[str]:

@@ -19,6 +19,8 @@ API: the request body's ``kv_transfer_params``):
 - ``save``: pieces of this prompt to store as entries (chunk encoding):
   ``[start, rows, []]``, the entry's ids ``prompt[start : start + rows]``.
 - ``overwrite``: store even where an entry exists (the admin role only).
+- ``detect``: false opts a plain client's request out of the server's detection
+  of stored passages (``reuse_hook``): it then runs exactly, as plain vLLM.
 - ``tenant``: the client's own tenant salt (the namespace it reuses and stores
   in; see ``trust``); ``grant``: what the gateway vouches for (an API key's
   namespace and role, signed; clients cannot make one).
@@ -49,10 +51,9 @@ PARAMS_KEY = "kvrag"
 """The key of our part of a request's ``kv_transfer_params`` (and of the reply)."""
 
 MAX_PIECES = 1024  # more pieces than any prompt has: a bound on what a request may ask
-MAX_TAIL = 64  # a chunk suffix is a few tokens: a bound on a piece's tail
-MAX_LEAD = 8192  # a piece read from inside an entry: at most an entry's length before it
+MAX_EDGE = 8192  # a piece's tail or lead: at most an entry's length
 MAX_EDGE_IDS = 65536  # the ids of every piece's lead and tail together (a request's size)
-_FIELDS = {"load", "save", "overwrite", "tenant", "grant"}
+_FIELDS = {"load", "save", "overwrite", "tenant", "grant", "detect"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ and follow each other; piece 0 starts at 1, not 0
     overwrite: bool = False
     tenant: str = ""
     grant: Mapping[str, Any] | None = None
+    detect: bool = True
 
     @property
     def load_end(self) -> int:
@@ -126,6 +128,8 @@ and follow each other; piece 0 starts at 1, not 0
             ours["tenant"] = self.tenant
         if self.grant is not None:
             ours["grant"] = dict(self.grant)
+        if not self.detect:
+            ours["detect"] = False
         return {PARAMS_KEY: ours}
 
     @property
@@ -176,7 +180,10 @@ and follow each other; piece 0 starts at 1, not 0
         grant = ours.get("grant")
         if grant is not None and not isinstance(grant, Mapping):
             raise TransferParamsError("grant must be an object")
-        return cls(load, save, overwrite, tenant, grant)
+        detect = ours.get("detect", True)
+        if not isinstance(detect, bool):
+            raise TransferParamsError("detect must be true or false")
+        return cls(load, save, overwrite, tenant, grant, detect)
 
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """Raise ``TransferParamsError`` if a piece lies beyond the prompt."""
@@ -218,13 +225,10 @@ def _pieces(raw: Any, what: str) -> tuple[PieceSpec, ...]:
         start = _int(item[0], f"{what} start", 0)
         rows = _int(item[1], f"{what} rows", 1)
         raw_lead = item[3] if len(item) == 4 else []
-        if len(raw_lead) > MAX_LEAD or (len(item[2]) > MAX_TAIL and not raw_lead):
+        if max(len(item[2]), len(raw_lead)) > MAX_EDGE:
             raise TransferParamsError(
-                f"a {what} piece's tail has at most {MAX_TAIL} ids (a piece read from "
-                f"inside an entry: at most {MAX_LEAD} ids each side)"
+                f"a {what} piece's tail and lead have at most {MAX_EDGE} ids each"
             )
-        if len(item[2]) > MAX_LEAD:
-            raise TransferParamsError(f"a {what} piece's tail has at most {MAX_LEAD} ids")
         edge_ids += len(item[2]) + len(raw_lead)
         if edge_ids > MAX_EDGE_IDS:
             raise TransferParamsError(f"a request's pieces have at most {MAX_EDGE_IDS} edge ids")

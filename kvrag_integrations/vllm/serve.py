@@ -21,6 +21,11 @@ only its whole prompt as one entry, and overwrite nothing. The operator's
 settings: ``--tenant-keys FILE`` (API keys mapped to tenants and roles:
 ``gateway``), ``--client-role`` (what callers without such a key may do),
 ``--max-store-bytes`` (the store's budget), ``--max-entry-tokens``.
+
+Plain OpenAI clients get reuse too (``reuse_hook``): the server finds stored
+passages in their chat and completion requests, and learns prompts of at least
+``--learn-min-tokens`` tokens (default 256) so their passages are found next
+time, in any order. ``--no-detect`` turns that off.
 ``$KVRAG_SERVER_SECRET`` signs the gateway's grants (one is made per launch
 where unset).
 """
@@ -34,8 +39,12 @@ import shlex
 from pathlib import Path
 
 from kvrag_integrations.chunk_kv import PRECISIONS
-from kvrag_integrations.vllm.config import DEFAULT_MAX_ENTRY_TOKENS, DEFAULT_MEMORY_TIER_BYTES
-from kvrag_integrations.vllm.gateway import KEYS_ENV, KeyFile
+from kvrag_integrations.vllm.config import (
+    DEFAULT_LEARN_MIN_TOKENS,
+    DEFAULT_MAX_ENTRY_TOKENS,
+    DEFAULT_MEMORY_TIER_BYTES,
+)
+from kvrag_integrations.vllm.gateway import DETECT_ENV, KEYS_ENV, KeyFile
 from kvrag_integrations.vllm.launch import platform_env, server_command
 from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV
 
@@ -64,6 +73,18 @@ def main(argv: list[str] | None = None) -> None:
         "--max-store-bytes", type=int, default=0, help="the store's budget (0: none)"
     )
     parser.add_argument("--max-entry-tokens", type=int, default=DEFAULT_MAX_ENTRY_TOKENS)
+    parser.add_argument(
+        "--no-detect",
+        action="store_true",
+        help="do not look for stored passages in plain clients' requests",
+    )
+    parser.add_argument(
+        "--learn-min-tokens",
+        type=int,
+        default=DEFAULT_LEARN_MIN_TOKENS,
+        help="store prompts of at least this many tokens whole, to find their "
+        "passages in later requests (0: learn nothing)",
+    )
     parser.add_argument("--print-command", action="store_true", help="print, do not run")
     args, rest = parser.parse_known_args(argv)
     rest = [a for a in rest if a != "--"]
@@ -76,11 +97,14 @@ def main(argv: list[str] | None = None) -> None:
         keys = KeyFile.load(args.tenant_keys)  # checked before vLLM starts
         env[KEYS_ENV] = str(Path(args.tenant_keys).resolve())
         role = "read" if keys.anonymous == "none" else keys.anonymous
+    if args.no_detect:
+        env[DETECT_ENV] = "0"
     command = server_command(
         args.model,
         args.store,
         rest,
-        middleware=args.tenant_keys is not None,
+        detect=not args.no_detect,
+        learn_min_tokens=args.learn_min_tokens,
         cache_precision=args.cache_precision,
         memory_tier_bytes=args.memory_tier_bytes,
         client_role=role,

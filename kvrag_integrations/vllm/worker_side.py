@@ -17,7 +17,8 @@ blocks (``PagedLayout``), stored in the configured precision under the key of
 its ids, in the request's tenant's namespace. A write the store's budget
 cannot hold (``StoreBudget``: least recently used entries are evicted first)
 is skipped. A failed write is logged; the piece is then a miss for later
-requests.
+requests. A stored entry is announced in the content index's log, where the
+OpenAI server's detection (``detection``) finds it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class WorkerSide:
         precision: how saved entries are stored.
         layout: the model's layout (layers, KV heads per rank, head size, rotary).
         budget: the store's budget (None: unbounded).
+        index_log: the content index's log (``matching.IndexLog``): every entry
+            stored is appended, so the OpenAI server finds it inside plain
+            requests (None: not indexed; tensor-parallel ranks but the first).
     """
 
     def __init__(
@@ -71,9 +75,11 @@ class WorkerSide:
         precision: str,
         layout: ModelLayout,
         budget: StoreBudget | None = None,
+        index_log: Any = None,
     ):
         self.store = store
         self.budget = budget
+        self.index_log = index_log  # where stored entries are announced (``matching``)
         self._touched: dict[str, float] = {}
         self.fingerprint = fingerprint
         self.precision = precision
@@ -222,11 +228,19 @@ class WorkerSide:
                     continue
                 self.store.put(kv)
                 stored += 1
+                if self.index_log is not None:
+                    self._announce(kv)
             except StoreWriteError as exc:
                 logger.warning("request %s: entry not stored (%s)", op.request_id, exc)
             except Exception:
                 logger.exception("request %s: entry not stored", op.request_id)
         return stored
+
+    def _announce(self, kv: ChunkKV) -> None:
+        try:
+            self.index_log.append(kv.fingerprint, kv.token_ids.tolist())
+        except Exception as exc:  # stored all the same; only detection misses it
+            logger.warning("entry not indexed (%s)", exc)
 
     def _read(self, op: SaveOp, piece: PieceOp) -> ChunkKV:
         paged = self._paged()

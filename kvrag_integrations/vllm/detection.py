@@ -1,0 +1,185 @@
+"""Finding stored passages in a plain client's prompt: what the server loads, and learns.
+
+A client that only points an OpenAI SDK at the server sends text; vLLM renders
+and tokenizes it as a whole. ``Detector.detect`` reads those token ids, asks
+the content index (``matching``) for the runs of them that also occur inside
+stored entries (chunks ingested through the server, prompts and glue learned
+from earlier requests), and plans the load a ``VLLMEngine`` client would have
+asked for: the prompt's leading run of stored pieces, each read from inside its
+entry where it sits there (``PieceSpec.lead``), its keys moved to where it sits
+now. The run stops at the first text that is in no entry; vLLM computes the rest.
+
+What is read is always verified: a run's ids were compared with the entry's own
+(never a hash alone), the connector keys each piece by its entry's ids in the
+request's namespace, and the store checks the entry's integrity code and key.
+Loading rows of an entry at another position, after other text, is TurboRAG's
+approximation (a passage encoded in another context, keys re-rotated).
+
+What it learns (``Detection.learn_prompt``, ``Detection.learn``): a request that
+would reuse little runs exactly and stores its whole prompt as one entry (exact:
+computed from position 0, loading nothing), so its passages, head and glue are
+found in the next request that shows them, in any order. Short glue between
+found passages that is stored nowhere (``Detection.glue``) is encoded on its own
+(as a chunk is: a step of a few tokens) before the request is planned again; a
+long unknown remainder after the loaded run is encoded in the background.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvrag_integrations.chunk_kv import cache_key
+from kvrag_integrations.vllm.params import PieceSpec
+
+MAX_GLUE_TOKENS = 32  # text between two found passages that is looked up (and learned) as glue
+MIN_SHARE = 0.5  # a request that would load less than this share runs exactly and is learned
+LEARN_MIN_TOKENS = 256  # shorter prompts (and remainders) are not worth an entry
+MAX_LEARN_PER_REQUEST = 8  # background encodes one request may start
+
+
+class RunLike(Protocol):
+    start: int
+    length: int
+    entry: tuple[int, ...]
+    offset: int
+
+
+class RunIndex(Protocol):
+    """The content index the detector reads (``matching.SyncedIndex``)."""
+
+    def cover(self, namespace: str, prompt: Sequence[int]) -> Sequence[RunLike]: ...
+
+    def remove(self, namespace: str, ids: Sequence[int]) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Detection:
+    """What the server does with one request.
+
+    Attributes:
+        load: the leading run of stored pieces to load (empty: load nothing).
+        learn_prompt: store the whole prompt as one entry (the request then loads
+            nothing and is computed exactly).
+        learn: id spans to encode on their own in the background (a long unknown
+            remainder after the load).
+        glue: short text between found passages that no entry holds yet: encoded
+            on its own (a step of a few tokens), the request is planned again.
+        found: prompt tokens found in stored entries (loaded or not).
+        reason: why the load stops where it does (logged).
+    """
+
+    load: tuple[PieceSpec, ...] = ()
+    learn_prompt: bool = False
+    learn: tuple[tuple[int, ...], ...] = ()
+    glue: tuple[tuple[int, ...], ...] = ()
+    found: int = 0
+    reason: str = ""
+
+    @property
+    def load_end(self) -> int:
+        return self.load[-1].end if self.load else 0
+
+
+@dataclass
+class Detector:
+    """Plans a request's load from the content index (see the module docstring).
+
+    Args:
+        index: the content index of stored entries.
+        contains: the store's existence check (by key).
+        base_fingerprint: the connector's storage fingerprint (rank 0); a tenant's
+            entries are keyed under ``Tenant.fingerprint(base_fingerprint)``.
+        max_entry_tokens: the longest prompt stored as an entry.
+        learn_min_tokens: shorter prompts and remainders are not learned (0: the
+            server learns nothing; it still finds what was ingested).
+    """
+
+    index: RunIndex
+    contains: Callable[[str], bool]
+    base_fingerprint: str
+    max_entry_tokens: int = 4096
+    learn_min_tokens: int = LEARN_MIN_TOKENS
+    max_glue_tokens: int = MAX_GLUE_TOKENS
+    min_share: float = MIN_SHARE
+    _known: dict[str, bool] = field(default_factory=dict, repr=False)
+
+    def detect(self, fingerprint: str, prompt: Sequence[int], may_learn: bool) -> Detection:
+        """The plan for ``prompt`` in the namespace of ``fingerprint`` (the tenant's
+        storage fingerprint); ``may_learn``: the caller may store entries."""
+        self._known.clear()  # existence is asked afresh for each request
+        prompt = list(prompt)
+        runs = self._stored_runs(fingerprint, prompt)
+        learn_prompt = may_learn and self.learn_min_tokens > 0
+        learn_prompt = learn_prompt and self.learn_min_tokens <= len(prompt) <= self.max_entry_tokens
+        if not runs:
+            reason = "no stored passage in the prompt"
+            return Detection(learn_prompt=learn_prompt, reason=reason)
+        pieces, glue, end, reason = self._run(fingerprint, prompt, runs)
+        found = sum(r.length for r in runs)
+        unknown_glue = tuple(dict.fromkeys(glue))[:MAX_LEARN_PER_REQUEST] if may_learn else ()
+        if end < self.min_share * len(prompt) and learn_prompt:
+            # Little to reuse: computing it all costs about as much, and the whole
+            # prompt stored makes every passage in it reusable in any order next time.
+            return Detection(
+                learn_prompt=True,
+                glue=unknown_glue,
+                found=found,
+                reason=f"{reason}; only {end} of {len(prompt)} tokens reusable: computed "
+                "and stored whole",
+            )
+        learn = []
+        rest = len(prompt) - end
+        if may_learn and self.learn_min_tokens and self.learn_min_tokens <= rest:
+            span = tuple(prompt[end : end + self.max_entry_tokens])
+            if not self._stored(fingerprint, span):
+                learn.append(span)
+        return Detection(tuple(pieces), False, tuple(learn), unknown_glue, found, reason)
+
+    def _stored_runs(self, fingerprint: str, prompt: list[int]) -> list[RunLike]:
+        """The index's cover of ``prompt``, without entries the store has lost
+        since they were indexed (they are forgotten, and the cover is asked again)."""
+        for _ in range(3):
+            runs = list(self.index.cover(fingerprint, prompt))
+            gone = {r.entry for r in runs if not self._stored(fingerprint, r.entry)}
+            if not gone:
+                return runs
+            for ids in gone:
+                self.index.remove(fingerprint, ids)
+        return []
+
+    def _run(
+        self, fingerprint: str, prompt: list[int], runs: Sequence[RunLike]
+    ) -> tuple[list[PieceSpec], list[tuple[int, ...]], int, str]:
+        """The leading run of pieces (found passages, stored glue between them),
+        the unknown glue seen anywhere, where the run ends, and why."""
+        pieces: list[PieceSpec] = []
+        glue: list[tuple[int, ...]] = []
+        position, stop = 0, ""
+        for run in runs:
+            if run.start > position:
+                gap = tuple(prompt[position : run.start])
+                if len(gap) > self.max_glue_tokens:
+                    stop = stop or f"{len(gap)} unknown tokens at {position}"
+                elif self._stored(fingerprint, gap):
+                    if not stop:
+                        pieces.append(PieceSpec(position, len(gap)))
+                else:
+                    glue.append(gap)
+                    stop = stop or f"glue of {len(gap)} tokens at {position} not stored yet"
+            if not stop:
+                lead = run.entry[: run.offset]
+                tail = run.entry[run.offset + run.length :]
+                pieces.append(PieceSpec(run.start, run.length, tuple(tail), tuple(lead)))
+            position = run.start + run.length
+        end = pieces[-1].end if pieces else 0
+        if not stop:
+            stop = "the prompt's unknown remainder" if end < len(prompt) else "all stored"
+        return pieces, glue, end, stop
+
+    def _stored(self, fingerprint: str, ids: Sequence[int]) -> bool:
+        key = cache_key(fingerprint, list(ids))
+        if key not in self._known:
+            self._known[key] = bool(self.contains(key))
+        return self._known[key]

@@ -1,0 +1,260 @@
+"""Reuse for plain OpenAI clients: the server plans what a ``VLLMEngine`` client would.
+
+vLLM's OpenAI server renders a chat or completion request, tokenizes it, and
+hands the token ids to its engine client's ``generate``. ``ReuseHook`` wraps
+that one method (installed by the gateway middleware on the server's own
+engine client, ``install``): before a request reaches the engine, it finds the
+stored passages in its token ids (``detection``), and writes the connector's
+``kv_transfer_params`` and the ``cache_salt`` a load of that layout must carry
+(``trust.request_salt``). From there on the request is an ordinary one: the
+connector admits it under ``trust``'s rules, vLLM streams, samples, parses
+tools and structured output as always, and ``usage.prompt_tokens_details``
+counts what was loaded.
+
+A request passes through untouched (exactly as plain vLLM, its prefix caching
+intact) where it carries our params already (a ``VLLMEngine`` client), opts
+out (``"kv_transfer_params": {"kvrag": {"detect": false}}``), asks for prompt
+log-probabilities (rows loaded from storage have none), uses a LoRA adapter or
+multimodal input (entries hold the base model's text K/V), or where nothing
+stored is found; the reason is logged at debug level.
+
+Learning runs under the request's own tenant and rights: a caller that may not
+store entries teaches the server nothing (it reuses what writers stored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.vllm.detection import Detection, Detector
+from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
+from kvrag_integrations.vllm.trust import ClientPolicy, Tenant, request_salt
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_LEARNS = 16  # background encodes in flight at once (more are dropped)
+GLUE_WAIT_S = 5.0  # the longest a request waits for its glue to be stored
+
+
+class ReuseHook:
+    """Wraps an engine client's ``generate`` (see the module docstring).
+
+    Args:
+        generate: the engine client's own ``generate``.
+        detector: plans loads from the content index.
+        policy: the connector's client policy (tenants and roles, as it applies them).
+        sampling_params: makes the sampling parameters of a background encode
+            (default: vLLM's ``SamplingParams``).
+    """
+
+    def __init__(
+        self,
+        generate: Callable[..., Any],
+        detector: Detector,
+        policy: ClientPolicy,
+        sampling_params: Callable[..., Any] | None = None,
+    ):
+        self.generate_inner = generate
+        self.detector = detector
+        self.policy = policy
+        self.sampling_params = sampling_params or _vllm_sampling_params
+        self._learning: dict[str, asyncio.Task[None]] = {}
+        self._ids = itertools.count()
+
+    async def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        try:
+            await self.prepare(prompt, sampling_params, kwargs)
+        except Exception:  # never a crash here: the request then runs as plain vLLM
+            logger.exception("request %s: reuse not planned; runs as plain vLLM", request_id)
+        async for output in self.generate_inner(
+            prompt, sampling_params, request_id, *args, **kwargs
+        ):
+            yield output
+
+    # ------------------------------------------------------------ planning
+    async def prepare(self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any]) -> None:
+        """Rewrite ``prompt``'s salt and ``sampling_params``' transfer params in place
+        (nothing, where the request passes through)."""
+        why, ids, params = self._eligible(prompt, sampling_params, kwargs)
+        if why:
+            logger.debug("not planned: %s", why)
+            return
+        assert ids is not None and params is not None
+        try:
+            tenant, role = self.policy.tenant_and_role(
+                params.tenant, params.grant, prompt.get("cache_salt"), False
+            )
+        except TransferParamsError as exc:
+            logger.debug("not planned: %s", exc)
+            return
+        may_learn = role != "read"
+        fingerprint = tenant.fingerprint(self.detector.base_fingerprint)
+        detection = self.detector.detect(fingerprint, ids, may_learn)
+        if detection.glue:
+            # Glue no entry holds yet (a template's separator between passages) would
+            # stop the load at the first seam: a step of a few tokens stores it, then
+            # the request is planned again.
+            learned = [self._learn(span, tenant, params) for span in detection.glue]
+            waiting = [task for task in learned if task is not None]
+            if waiting:
+                await asyncio.wait(waiting, timeout=GLUE_WAIT_S)
+                detection = self.detector.detect(fingerprint, ids, may_learn)
+        logger.debug("detected %d of %d tokens: %s", detection.load_end, len(ids), detection.reason)
+        for span in detection.learn:
+            self._learn(span, tenant, params)
+        if detection.load:
+            self._rewrite(prompt, sampling_params, tenant, params, detection)
+        elif detection.learn_prompt:
+            save = (PieceSpec(0, len(ids)),)
+            self._rewrite(prompt, sampling_params, tenant, replace(params, save=save), None)
+
+    def _eligible(
+        self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any]
+    ) -> tuple[str, list[int] | None, TransferParams | None]:
+        """Why the request passes through ("" : it does not), its ids and params."""
+        if not isinstance(prompt, dict) or prompt.get("type", "token") != "token":
+            return "not a token prompt (multimodal or embeddings)", None, None
+        ids = prompt.get("prompt_token_ids")
+        if not isinstance(ids, list) or len(ids) < 2:
+            return "no prompt token ids", None, None
+        if kwargs.get("lora_request") is not None:
+            return "a LoRA adapter (entries hold the base model's K/V)", None, None
+        if getattr(sampling_params, "prompt_logprobs", None) is not None:
+            return "prompt log-probabilities (loaded rows have none)", None, None
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        transfer = extra.get("kv_transfer_params") if isinstance(extra, Mapping) else None
+        if isinstance(transfer, Mapping) and set(transfer) - {PARAMS_KEY}:
+            return "kv_transfer_params of another connector", None, None
+        ours = transfer.get(PARAMS_KEY) if isinstance(transfer, Mapping) else None
+        try:
+            params = TransferParams.from_request({PARAMS_KEY: ours or {}})
+        except TransferParamsError as exc:
+            return f"its params do not parse ({exc})", None, None
+        assert params is not None
+        if not params.detect:
+            return "the request opted out", None, None
+        if params.load or params.save:
+            return "it plans its own loads or saves (a VLLMEngine client)", None, None
+        return "", ids, params
+
+    def _rewrite(
+        self,
+        prompt: dict[str, Any],
+        sampling_params: Any,
+        tenant: Tenant,
+        params: TransferParams,
+        detection: Detection | None,
+    ) -> None:
+        if detection is not None:
+            params = replace(params, load=detection.load)
+        if params.grant is None:  # the client's own tenant travels as the connector reads it
+            params = replace(params, tenant=tenant.salt or "")
+        salt = request_salt(tenant, params.layout)
+        if salt is None:
+            prompt.pop("cache_salt", None)
+        else:
+            prompt["cache_salt"] = salt
+        _set_params(sampling_params, params.as_request())
+
+    # ------------------------------------------------------------ learning
+    def _learn(
+        self, ids: tuple[int, ...], tenant: Tenant, params: TransferParams
+    ) -> asyncio.Task[None] | None:
+        """Encode ``ids`` on their own in the background (as a chunk is): an entry
+        the next request with this glue or passage finds. The task (None: too many
+        in flight)."""
+        key = f"{tenant.namespace}:{hash(ids)}"
+        if key in self._learning:
+            return self._learning[key]
+        if len(self._learning) >= MAX_PENDING_LEARNS:
+            return None
+        loop = asyncio.get_running_loop()
+        save = TransferParams(
+            save=(PieceSpec(0, len(ids)),),
+            tenant=tenant.salt or "" if params.grant is None else "",
+            grant=params.grant,
+        )
+        task = loop.create_task(self._encode(list(ids), tenant.salt, save))
+        self._learning[key] = task
+        task.add_done_callback(lambda _: self._learning.pop(key, None))
+        return task
+
+    async def _encode(self, ids: list[int], salt: str | None, params: TransferParams) -> None:
+        prompt: dict[str, Any] = {"type": "token", "prompt_token_ids": ids}
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        extra = {"kv_transfer_params": params.as_request()}
+        sampling = self.sampling_params(max_tokens=1, extra_args=extra)
+        request_id = f"kvrag-learn-{next(self._ids)}"
+        try:
+            async for _ in self.generate_inner(prompt, sampling, request_id):
+                pass
+        except Exception as exc:  # learning is best effort: the next request may teach it
+            logger.info("background encode %s failed: %s", request_id, exc)
+
+    async def drain(self) -> None:
+        """Wait for the background encodes in flight (tests, shutdown)."""
+        while self._learning:
+            await asyncio.gather(*list(self._learning.values()), return_exceptions=True)
+
+
+def _vllm_sampling_params(**kwargs: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(**kwargs)
+
+
+def _set_params(sampling_params: Any, transfer: dict[str, Any] | None) -> None:
+    extra = dict(getattr(sampling_params, "extra_args", None) or {})
+    if transfer is None:
+        extra.pop("kv_transfer_params", None)
+    else:
+        extra["kv_transfer_params"] = transfer
+    sampling_params.extra_args = extra or None
+
+
+def install(engine_client: Any) -> ReuseHook | None:
+    """Wrap ``engine_client.generate`` (vLLM's ``EngineClient`` of the OpenAI server)
+    with a ``ReuseHook`` configured from its own connector settings; None where it
+    serves without our connector or with detection off. Idempotent."""
+    hook = getattr(engine_client, "_kvrag_reuse_hook", None)
+    if hook is not None:
+        return hook
+    from kvrag_integrations.matching import SyncedIndex, open_index_log
+    from kvrag_integrations.store import open_store
+    from kvrag_integrations.vllm.config import CONNECTOR_CLASS, ConnectorSettings
+    from kvrag_integrations.vllm.identity import connector_fingerprints
+    from kvrag_integrations.vllm.trust import server_secret
+
+    config = engine_client.vllm_config
+    transfer = config.kv_transfer_config
+    if transfer is None or transfer.kv_connector != CONNECTOR_CLASS:
+        return None
+    settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
+    if not settings.detect:
+        return None
+    fingerprints = connector_fingerprints(config, settings.cache_precision)
+    store = open_store(settings.store)
+    index = SyncedIndex(open_index_log(settings.store))
+    index.refresh()  # what replicas and earlier runs stored, before the first request
+    detector = Detector(
+        index,
+        store.contains,
+        fingerprints[0],
+        max_entry_tokens=settings.max_entry_tokens,
+        learn_min_tokens=settings.learn_min_tokens,
+    )
+    policy = ClientPolicy(False, settings.client_role, settings.max_entry_tokens, server_secret())
+    hook = ReuseHook(engine_client.generate, detector, policy)
+    engine_client.generate = hook.generate
+    engine_client._kvrag_reuse_hook = hook
+    logger.info("kvrag: stored passages are found in plain requests (%d entries indexed)", len(index))
+    return hook

@@ -1,0 +1,167 @@
+"""Plain OpenAI clients get reuse: the server finds stored passages in their requests.
+
+Two replicas of ``python -m kvrag_integrations.vllm.serve`` on one Redis (the
+``vllm_servers`` fixture). The applications are the frameworks' documented RAG
+patterns with ``ChatOpenAI`` / ``OpenAILike`` (``bench.openai_apps``): nothing of
+this package between them and the server. What the server reports
+(``usage.prompt_tokens_details.cached_tokens``) is what is checked; exactness is
+checked against vLLM's own computation of the same ids in this process
+(``vllm_engine``, a fresh salt: nothing cached).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import pytest
+from vllm_helpers import Corpus, VLLMServer, exact_reference, max_logprob_gap, needs_vllm
+
+from kvrag_integrations.vllm.engine import VLLMEngine
+
+needs_vllm()
+openai = pytest.importorskip("openai")
+pytest.importorskip("langchain_openai")
+pytest.importorskip("llama_index.llms.openai_like")
+
+from kvrag_integrations.bench.openai_apps import (  # noqa: E402
+    Meter,
+    embeddings_for_langchain,
+    embeddings_for_llama_index,
+    langchain_agent,
+    llama_index_engine,
+)
+
+NEW_QUESTION = "Which people, places or works do these passages name?"
+PASSAGES = 4
+
+
+@pytest.fixture(scope="module")
+def lc_embed():  # type: ignore[no-untyped-def]
+    return embeddings_for_langchain()
+
+
+def share(record: dict) -> float:
+    return record["cached"] / record["prompt_tokens"]
+
+
+def test_langchain_agent_reuses_passages_learned_by_the_other_replica(
+    vllm_servers: list[VLLMServer], vllm_engine: VLLMEngine, musique: Corpus, lc_embed
+) -> None:
+    """The first request teaches one replica; a new question over the same passages (in
+    the order its retrieval gives) is served from storage by the other."""
+    meter = Meter()
+    name = vllm_engine.model_name
+    passages = musique.chunks(60, PASSAGES, tag="detect-lc")
+    first = langchain_agent(vllm_servers[0].url, name, passages, lc_embed, meter.client())
+    first(musique.item(60).question)
+    taught = meter.take()
+    assert taught["prompt_tokens"] > 400 and share(taught) < 0.5  # computed, and stored
+    second = langchain_agent(vllm_servers[1].url, name, passages, lc_embed, meter.client())
+    second(NEW_QUESTION)
+    served = meter.take()
+    assert share(served) >= 0.85, served
+    # tenants stay apart: a key of another namespace finds none of it
+    import httpx
+
+    keyed = httpx.Client(
+        headers={"Authorization": "Bearer sk-team-b"},
+        event_hooks=meter.client().event_hooks,
+        timeout=600,
+    )
+    other = langchain_agent(vllm_servers[1].url, name, passages, lc_embed, keyed)
+    other(NEW_QUESTION + " ")
+    assert share(meter.take()) < 0.2
+
+
+def test_llama_index_query_engine_with_openai_like_reuses_its_passages(
+    vllm_servers: list[VLLMServer], vllm_engine: VLLMEngine, musique: Corpus
+) -> None:
+    meter = Meter()
+    passages = musique.chunks(61, PASSAGES, tag="detect-li")
+    embed = embeddings_for_llama_index()
+    url = vllm_servers[0].url
+    query = llama_index_engine(url, vllm_engine.model_name, passages, embed, meter.client())
+    query(musique.item(61).question)
+    meter.take()
+    query(NEW_QUESTION)
+    assert share(meter.take()) >= 0.85
+
+
+def test_passages_ingested_through_the_server_are_found_on_the_first_request(
+    vllm_servers: list[VLLMServer],
+    vllm_engine: VLLMEngine,
+    musique: Corpus,
+    lc_embed,
+    connect: Callable[..., VLLMEngine],
+) -> None:
+    meter = Meter()
+    name, url = vllm_engine.model_name, vllm_servers[0].url
+    # the template's head is learned from any earlier request with it
+    warm = musique.chunks(62, PASSAGES, tag="detect-head")
+    langchain_agent(url, name, warm, lc_embed, meter.client())(musique.item(62).question)
+    meter.take()
+    passages = musique.chunks(63, PASSAGES, tag="detect-ingest")
+    connect(url).encode_chunks(passages, show_progress=False)
+    app = langchain_agent(vllm_servers[1].url, name, passages, lc_embed, meter.client())
+    app(musique.item(63).question)
+    assert share(meter.take()) >= 0.85
+
+
+def test_streaming_n_and_stop_work_on_a_request_with_reuse(
+    vllm_servers: list[VLLMServer], vllm_engine: VLLMEngine, musique: Corpus
+) -> None:
+    client = openai.OpenAI(base_url=f"{vllm_servers[0].url}/v1", api_key="none")
+    context = "\n\n".join(musique.chunks(64, PASSAGES, tag="detect-features"))
+    messages = [
+        {"role": "system", "content": f"Use the following context:\n\n{context}"},
+        {"role": "user", "content": musique.item(64).question},
+    ]
+    args = {"model": vllm_engine.model_name, "temperature": 0, "max_tokens": 12}
+    client.chat.completions.create(messages=messages, **args)  # learned
+    messages[1]["content"] = NEW_QUESTION
+    whole = client.chat.completions.create(messages=messages, **args)
+    assert whole.usage.prompt_tokens_details.cached_tokens >= 0.85 * whole.usage.prompt_tokens
+    stream = client.chat.completions.create(
+        messages=messages, stream=True, stream_options={"include_usage": True}, **args
+    )
+    pieces, usage = [], None
+    for event in stream:
+        pieces += [c.delta.content or "" for c in event.choices]
+        usage = event.usage or usage
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert usage is not None and usage.prompt_tokens_details.cached_tokens > 0
+    two = client.chat.completions.create(messages=messages, n=2, **args)
+    assert [c.message.content for c in two.choices] == [whole.choices[0].message.content] * 2
+    stopped = client.chat.completions.create(messages=messages, stop=["\n"], **args)
+    assert "\n" not in stopped.choices[0].message.content
+
+
+@pytest.mark.parametrize("case", ["no-passage", "opted-out"])
+def test_requests_without_reuse_equal_vllms_own_computation(
+    case: str, vllm_servers: list[VLLMServer], vllm_engine: VLLMEngine, musique: Corpus
+) -> None:
+    """A prompt with no stored passage, and one that opts out, are vLLM's exact answer."""
+    client = openai.OpenAI(base_url=f"{vllm_servers[0].url}/v1", api_key="none")
+    tok = vllm_engine.tokenizer
+    if case == "no-passage":
+        text = f"Spell the code {uuid.uuid4().hex} backwards, then explain why."
+        extra: dict = {}
+    else:  # passages the server knows (taught by a first request), opted out
+        text = "\n\n".join(musique.chunks(65, PASSAGES, tag="detect-optout"))
+        client.completions.create(model=vllm_engine.model_name, prompt=text, max_tokens=1)
+        extra = {"kv_transfer_params": {"kvrag": {"detect": False}}}
+    ids = tok(text, add_special_tokens=False).input_ids
+    extra["cache_salt"] = f"fresh-{uuid.uuid4().hex}"  # computed afresh, as the reference
+    got = client.completions.create(
+        model=vllm_engine.model_name,
+        prompt=ids,
+        max_tokens=1,
+        temperature=0,
+        logprobs=20,
+        extra_body={**extra, "return_tokens_as_token_ids": True},
+    )
+    assert got.usage.prompt_tokens_details.cached_tokens == 0
+    top = {int(t.split(":")[1]): lp for t, lp in got.choices[0].logprobs.top_logprobs[0].items()}
+    _, want, _ = exact_reference(vllm_engine, ids, max_new_tokens=1)
+    assert max_logprob_gap(top, want) <= 1e-5

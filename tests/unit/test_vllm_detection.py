@@ -1,0 +1,227 @@
+"""The server's detection of stored passages in plain requests, without vLLM.
+
+A real ``ContentIndex`` and a real ``MemoryKVStore``'s keys; the prompts are
+token ids laid out as a RAG template lays them: a head, passages with glue
+between them, a question. What is planned is checked against the ids (every
+piece's entry ids are the ones of an entry stored), and the hook is checked on
+a fake engine client's ``generate`` (what it hands on: salt and params).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from kvrag_integrations.chunk_kv import cache_key
+from kvrag_integrations.matching import ContentIndex
+from kvrag_integrations.vllm.detection import Detector
+from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
+from kvrag_integrations.vllm.reuse_hook import ReuseHook
+from kvrag_integrations.vllm.trust import ClientPolicy, Tenant, request_salt
+
+FP = "fp+kv-float16"
+rng = random.Random(0)
+
+
+def ids(n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+HEAD, GLUE, TAIL = ids(40), [198, 198], [2, 198, 1, 4093, 198]
+PASSAGES = [ids(120 + 10 * i) for i in range(5)]
+
+
+def prompt(order: list[int], question: list[int], glue: list[int] = GLUE) -> list[int]:
+    out = list(HEAD)
+    for i in order:  # the head ends as the glue does ("...context:\n\n"), as templates do
+        out += glue + PASSAGES[i]
+    return out + TAIL + question
+
+
+class Stored:
+    """Keys of stored entries, and the index of their ids (what a worker announces)."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.index = ContentIndex()
+
+    def put(self, entry: list[int], fp: str = FP) -> None:
+        self.keys.add(cache_key(fp, entry))
+        self.index.add(fp, entry)
+
+    def detector(self, **kw) -> Detector:
+        return Detector(self.index, self.keys.__contains__, FP, **kw)
+
+
+def check_pieces(pieces: tuple[PieceSpec, ...], prompt_ids: list[int], stored: Stored) -> int:
+    """Every piece follows the last, and reads an entry that is stored."""
+    position = 0
+    for piece in pieces:
+        assert piece.start == position
+        assert cache_key(FP, piece.entry_ids(prompt_ids)) in stored.keys
+        position = piece.end
+    return position
+
+
+def test_a_prompt_without_stored_passages_is_learned_whole_and_loads_nothing() -> None:
+    stored = Stored()
+    stored.put(ids(200))  # something else
+    p = prompt([0, 1, 2], ids(12))
+    plan = stored.detector().detect(FP, p, may_learn=True)
+    assert plan.load == () and plan.learn_prompt
+    assert not stored.detector().detect(FP, p, may_learn=False).learn_prompt  # a reader
+    assert not stored.detector().detect(FP, p[:100], may_learn=True).learn_prompt  # short
+
+
+def test_a_learned_prompt_serves_its_passages_in_another_order_and_a_new_question() -> None:
+    stored = Stored()
+    first = prompt([0, 1, 2, 3], ids(12))
+    stored.put(first)  # what the first request stored
+    second = prompt([2, 0, 3, 1], ids(15))
+    plan = stored.detector().detect(FP, second, may_learn=True)
+    end = check_pieces(plan.load, second, stored)
+    # everything up to the question (and the template's tail before it) comes from storage
+    assert end >= len(second) - 15 - len(TAIL)
+    assert plan.load[0].lead == ()  # the head: rows 0.. of the stored prompt (exact)
+    assert not plan.learn_prompt and plan.learn == ()
+
+
+def test_ingested_passages_with_unknown_glue_and_head_teach_both() -> None:
+    stored = Stored()
+    for passage in PASSAGES:
+        stored.put(passage + [4093])  # ingested with a suffix the template does not use
+    p = prompt([1, 3, 0], ids(12))
+    plan = stored.detector().detect(FP, p, may_learn=True)
+    # the head is unknown: nothing loads, the prompt is stored whole, the glue learned
+    assert plan.load == () and plan.learn_prompt and plan.glue == (tuple(GLUE),)
+    stored.put(GLUE)
+    stored.put(HEAD + GLUE)  # (a head learned on its own, as a short template's would be)
+    plan = stored.detector().detect(FP, p, may_learn=True)
+    end = check_pieces(plan.load, p, stored)
+    assert end == len(p) - 12 - len(TAIL)  # the passages and glue: up to the template's tail
+    passage = plan.load[1]
+    assert passage.tail == (4093,) and passage.lead == ()
+
+
+def test_unknown_text_between_passages_stops_the_load_and_is_learned() -> None:
+    stored = Stored()
+    stored.put(prompt([0, 1], ids(10)))
+    new = ids(300)
+    p = HEAD + GLUE + PASSAGES[1] + GLUE + PASSAGES[0] + GLUE + new + GLUE + PASSAGES[1] + TAIL
+    plan = stored.detector(min_share=0.1).detect(FP, p, may_learn=True)
+    end = check_pieces(plan.load, p, stored)
+    assert end == p.index(new[0])  # (the glue after P0 comes with it: stored so too)
+    assert plan.learn == (tuple(p[end:]),)  # the remainder, encoded in the background
+
+
+def test_entries_the_store_lost_are_forgotten_and_tenants_see_only_their_own() -> None:
+    stored = Stored()
+    first = prompt([0, 1, 2], ids(10))
+    stored.put(first)
+    stored.keys.clear()  # evicted since it was indexed
+    plan = stored.detector().detect(FP, prompt([1, 0, 2], ids(9)), may_learn=True)
+    assert plan.load == () and len(stored.index) == 0
+    other = Tenant.of_salt("team-b").fingerprint(FP)
+    stored.put(first, other)
+    assert stored.detector().detect(FP, prompt([1, 0, 2], ids(9)), True).load == ()
+
+
+# ------------------------------------------------------------------ the hook
+class FakeEngine:
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict, object, str]] = []
+
+    async def generate(self, prompt, sampling_params, request_id, **kwargs):
+        self.seen.append((dict(prompt), sampling_params, request_id))
+        yield SimpleNamespace(request_id=request_id)
+
+
+def run(hook: ReuseHook, prompt_ids: list[int], extra: dict | None = None, salt=None, **kw):
+    engine_prompt = {"type": "token", "prompt_token_ids": prompt_ids}
+    if salt:
+        engine_prompt["cache_salt"] = salt
+    params = SimpleNamespace(extra_args=extra, prompt_logprobs=kw.pop("prompt_logprobs", None))
+
+    async def go() -> None:
+        async for _ in hook.generate(engine_prompt, params, "r1", **kw):
+            pass
+        await hook.drain()
+
+    asyncio.run(go())
+    return engine_prompt, params
+
+
+def hook_over(stored: Stored, role: str = "write") -> tuple[ReuseHook, FakeEngine]:
+    engine = FakeEngine()
+    policy = ClientPolicy(client_role=role)
+    return ReuseHook(engine.generate, stored.detector(), policy, SimpleNamespace), engine
+
+
+def test_the_hook_writes_the_load_and_its_salt_for_the_connector() -> None:
+    stored = Stored()
+    team_a = Tenant.of_salt("team-a")
+    stored.put(prompt([0, 1, 2], ids(10)), team_a.fingerprint(FP))
+    hook, engine = hook_over(stored)
+    p = prompt([2, 1, 0], ids(14))
+    engine_prompt, params = run(hook, p, salt="team-a")
+    sent = TransferParams.from_request(params.extra_args["kv_transfer_params"])
+    assert sent.load and sent.tenant == "team-a" and not sent.save
+    assert sent.load_end >= len(p) - 14 - len(TAIL)
+    # the salt is the one the connector admits a load of this layout under
+    assert engine_prompt["cache_salt"] == request_salt(team_a, sent.layout)
+    # the shared namespace finds none of team-a's: it learns the prompt instead
+    engine_prompt, params = run(hook, p)
+    sent = TransferParams.from_request(params.extra_args["kv_transfer_params"])
+    assert not sent.load and sent.save and "cache_salt" not in engine_prompt
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["opt-out", "no-passage", "prompt-logprobs", "lora", "vllm-engine-client", "other-connector"],
+)
+def test_requests_that_pass_through_are_untouched(case: str) -> None:
+    stored = Stored()
+    stored.put(prompt([0, 1, 2], ids(10)))
+    hook, engine = hook_over(stored)
+    p = prompt([2, 1, 0], ids(14))
+    extra, kw = None, {}
+    if case == "opt-out":
+        extra = {"kv_transfer_params": {PARAMS_KEY: {"detect": False}}}
+    elif case == "no-passage":
+        p = ids(100)  # short: not learned either
+    elif case == "prompt-logprobs":
+        kw["prompt_logprobs"] = 1
+    elif case == "lora":
+        kw["lora_request"] = object()
+    elif case == "vllm-engine-client":
+        extra = {"kv_transfer_params": {PARAMS_KEY: {"load": [[0, 40, []]]}}}
+    else:
+        extra = {"kv_transfer_params": {"do_remote_prefill": True}}
+    before = None if extra is None else {k: dict(v) for k, v in extra.items()}
+    engine_prompt, params = run(hook, p, extra, **kw)
+    assert "cache_salt" not in engine_prompt
+    assert params.extra_args == before
+
+
+def test_the_hook_learns_a_new_prompt_in_the_request_and_glue_in_the_background() -> None:
+    stored = Stored()
+    for passage in PASSAGES:
+        stored.put(passage)
+    hook, engine = hook_over(stored)
+    p = prompt([1, 3, 0], ids(12))
+    engine_prompt, params = run(hook, p)
+    sent = TransferParams.from_request(params.extra_args["kv_transfer_params"])
+    assert sent.save == (PieceSpec(0, len(p)),) and not sent.load
+    assert "cache_salt" not in engine_prompt  # the shared namespace's exact requests: no salt
+    learned = [s for s in engine.seen if s[2].startswith("kvrag-learn-")]
+    assert [s[0]["prompt_token_ids"] for s in learned] == [GLUE]
+    assert engine.seen[-1][2] == "r1"  # the glue first: the request was planned after it
+    glue_params = TransferParams.from_request(learned[0][1].extra_args["kv_transfer_params"])
+    assert glue_params.save == (PieceSpec(0, 2),)
+    # a reader teaches nothing
+    hook, engine = hook_over(stored, role="read")
+    engine_prompt, params = run(hook, p)
+    assert params.extra_args is None and len(engine.seen) == 1
