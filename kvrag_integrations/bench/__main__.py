@@ -12,9 +12,11 @@ and Redis per storage precision), ``vllm`` (vLLM with the KV connector against v
 alone and the in-process engine: reuse, TTFT, throughput, the frameworks on it;
 needs vLLM installed), ``openai`` (plain OpenAI clients, LangChain's ``ChatOpenAI``
 and LlamaIndex's ``OpenAILike``, against the server with and without the connector;
-needs vLLM). ``all`` runs them in that order on one loaded model
-(``vllm`` and ``openai`` apart: they are run by name). Each writes ``<suite>.json`` (numbers + machine facts + the
-command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
+needs vLLM), ``match`` (the content index that finds stored entries inside a prompt:
+cover time, build, log replay, memory; no model: ``--chunks`` entries, ``--repeats``
+prompts). ``all`` runs them in that order on one loaded model (``vllm``, ``openai``
+and ``match`` apart: they are run by name). Each writes ``<suite>.json`` (numbers +
+machine facts + the command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
 ``--quick`` shrinks every suite to a smoke run (a few items, tiny chunks).
 ``--dummy-weights`` makes ``--model`` a named shape (``llama-3.1-8b``, ...: see
 ``bench/shapes.py``) with random weights, for timings without a download.
@@ -37,6 +39,7 @@ from typing import Any
 from kvrag_integrations.bench import (
     attention,
     cold,
+    match,
     memory,
     openai_clients,
     peer,
@@ -70,9 +73,13 @@ SUITES: dict[str, ModuleType] = {
     "stores": stores,
     "vllm": vllm_serving,
     "openai": openai_clients,
+    "match": match,
 }
-# What ``all`` runs: every suite but those that need more than the package (vLLM).
-ALL = [name for name in SUITES if name not in ("vllm", "openai")]
+# Suites that load no model (nor benchmark data): run by name only.
+MODEL_FREE = {"match"}
+# What ``all`` runs on one model: every suite but those that need more than the
+# package (vLLM) and those that need no model.
+ALL = [name for name in SUITES if name not in ("vllm", "openai") and name not in MODEL_FREE]
 
 
 def _ints(text: str) -> list[int]:
@@ -194,7 +201,7 @@ def out_dir(args: argparse.Namespace, engine: KVRAGEngine) -> str:
 
 
 def run_suite(
-    name: str, engine: KVRAGEngine, items: list, args: argparse.Namespace, command: str
+    name: str, engine: KVRAGEngine | None, items: list, args: argparse.Namespace, command: str
 ) -> None:
     """Run one suite, write its JSON, Markdown table and plots, print the table."""
     module = SUITES[name]
@@ -232,6 +239,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"suite {args.suite} has no preset {args.preset!r}")
     if args.dummy_weights and args.model not in shapes.SHAPES:
         p.error(f"--dummy-weights needs --model one of {', '.join(shapes.SHAPES)}")
+    command = "python -m kvrag_integrations.bench " + " ".join(argv)
+    if args.suite in MODEL_FREE:
+        run_suite(args.suite, None, [], args, command)
+        return
     device = resolve_device(args.device)
     if args.dummy_weights:
         engine = KVRAGEngine(shapes.dummy_model(args.model, device, args.dtype))
@@ -243,7 +254,6 @@ def main(argv: list[str] | None = None) -> None:
     if count is None:
         count = 2 if args.quick else 5
     items = load_items(args.data, count)
-    command = "python -m kvrag_integrations.bench " + " ".join(argv)
     for name in names:
         run_suite(name, engine, items, args, command)
     print(f"\n{json.dumps(machine_info(engine))}")

@@ -20,6 +20,7 @@ from typing import Any
 from kvrag_integrations.bench import (
     attention,
     cold,
+    match,
     memory,
     peer,
     plots,
@@ -72,6 +73,7 @@ SECTIONS = [
     ("stores", stores, "Turbo from memory, disk and Redis per storage precision"),
     ("memory", memory, "Stored cache size per dtype and store read throughput"),
     ("vllm", vllm_serving, "vLLM with the KV connector: reuse, TTFT, throughput, frameworks"),
+    ("match", match, "Finding stored entries inside a prompt: the content index"),
 ]
 # The PNG files each suite writes next to its JSON (``<name><suffix>.png``).
 PLOTS = {

@@ -131,6 +131,8 @@ class DiskKVStore(EncodedKVStore):
         if not self.root.is_dir():
             return
         for shard in sorted(self.root.iterdir()):
+            # Two-character folders only: the content index's log (root/_index,
+            # matching/log.py) is never listed, swept or pruned as entries.
             if len(shard.name) == 2 and shard.is_dir():
                 yield shard
 

@@ -1,0 +1,82 @@
+"""The content index's log in Redis: beside a RedisKVStore, shared by replicas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis
+from redis_helpers import RedisServer
+
+from kvrag_integrations import RedisKVStore
+from kvrag_integrations.matching import RedisIndexLog, SyncedIndex, index_log_for, open_index_log
+
+
+def ids(seed: int, n: int = 40) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 49152, n).tolist()
+
+
+def plain(records: list) -> list:
+    return [(namespace, arr.tolist()) for namespace, arr in records]
+
+
+def test_replicas_share_records_through_one_list(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    a, b = RedisIndexLog(client, redis_prefix), RedisIndexLog(client, redis_prefix)
+    assert a.read_new() == [] and a.key == f"{redis_prefix}index"
+    a.append("m", [1, 2, 3])
+    b.append("n", ids(1))
+    assert plain(a.read_new()) == [("m", [1, 2, 3]), ("n", ids(1))]
+    assert a.read_new() == []
+    client.rpush(a.key, b"garbage")  # a damaged item is skipped, never fatal
+    a.append("m", [4])
+    assert plain(a.read_new()) == [("m", [4])]
+    assert [ns for ns, _ in b.read_new()] == ["m", "n", "m"]
+    restarted = RedisIndexLog(client, redis_prefix)
+    assert len(restarted.read_new()) == 3  # the garbage item is skipped again
+    client.delete(a.key)  # the server was flushed: readers start anew
+    a.append("m", [5])
+    assert plain(restarted.read_new()) == [("m", [5])]
+    client.close()
+
+
+def test_the_log_of_a_store_url_is_beside_that_store(redis_server: RedisServer) -> None:
+    url = redis_server.url.rsplit("/", 1)[0] + "/2"  # a db of this test's own
+    store = RedisKVStore(url)  # the default prefix, as ``open_store(url)`` has it
+    log = open_index_log(url)
+    try:
+        assert isinstance(log, RedisIndexLog) and log.key == store.prefix + "index"
+        log.append("m", ids(2))
+        assert store.client.llen(log.key) == 1  # same server, same db
+        assert list(store.keys()) == [] and len(store) == 0  # never taken for an entry
+        same = index_log_for(store)
+        assert plain(same.read_new()) == [("m", ids(2))]
+    finally:
+        store.client.delete(log.key)
+        log.close()
+        store.close()
+
+
+def test_synced_indexes_on_redis(redis_server: RedisServer, redis_prefix: str) -> None:
+    store = RedisKVStore(redis_server.url, prefix=redis_prefix)
+    a = SyncedIndex(index_log_for(store), refresh_s=0)
+    b = SyncedIndex(index_log_for(store), refresh_s=0)
+    entry = ids(3, 100)
+    assert a.add("m", entry) and not b.add("m", entry)
+    runs = b.cover("m", [7, *entry[10:90], 8])
+    assert [(r.start, r.length, r.offset) for r in runs] == [(1, 80, 10)]
+    store.close()
+
+
+def test_a_dead_server_does_not_fail_cover(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from redis_helpers import find_redis_server
+
+    server = RedisServer(find_redis_server(), tmp_path_factory.mktemp("redis-dead")).start()
+    store = RedisKVStore(server.url, prefix="dead:", socket_timeout=0.5)
+    synced = SyncedIndex(index_log_for(store), refresh_s=0)
+    synced.add("m", ids(4, 50))
+    server.stop()
+    assert len(synced.cover("m", ids(4, 50))) == 1  # served from memory
+    assert synced.add("m", ids(5, 50))  # indexed locally only
+    store.close()
