@@ -202,7 +202,7 @@ class Server:
     def __enter__(self) -> Server:
         from kvrag_integrations.vllm.launch import platform_env
 
-        log = open(Path(self._tmp.name) / "server.log", "wb")  # noqa: SIM115 (kept open)
+        log = open(Path(self._tmp.name) / "server.log", "wb")
         env = {**platform_env(), **os.environ}
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 600

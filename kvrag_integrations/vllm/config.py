@@ -80,7 +80,8 @@ class ConnectorSettings:
                 "processes: use disk:DIR or redis://host:port/db, not memory"
             )
         check_precision(self.cache_precision)
-        for name in ("memory_tier_bytes", "max_store_bytes", "max_entry_tokens", "learn_min_tokens"):
+        counts = ("memory_tier_bytes", "max_store_bytes", "max_entry_tokens", "learn_min_tokens")
+        for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

@@ -111,8 +111,8 @@ class Detector:
         self._known.clear()  # existence is asked afresh for each request
         prompt = list(prompt)
         runs = self._stored_runs(fingerprint, prompt)
-        learn_prompt = may_learn and self.learn_min_tokens > 0
-        learn_prompt = learn_prompt and self.learn_min_tokens <= len(prompt) <= self.max_entry_tokens
+        learnable = 0 < self.learn_min_tokens <= len(prompt) <= self.max_entry_tokens
+        learn_prompt = may_learn and learnable
         if not runs:
             reason = "no stored passage in the prompt"
             return Detection(learn_prompt=learn_prompt, reason=reason)

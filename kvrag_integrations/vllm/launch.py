@@ -224,7 +224,7 @@ def plain_server_command(model: str | None, rest: list[str]) -> list[str]:
     args = engine_args(model, {})
     args.pop("kv_transfer_config")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    return command + [*_flags(args), "--enable-prompt-tokens-details", *rest]
+    return [*command, *_flags(args), "--enable-prompt-tokens-details", *rest]
 
 
 def _flags(engine_args: dict[str, Any]) -> list[str]:

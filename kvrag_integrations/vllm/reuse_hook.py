@@ -256,5 +256,5 @@ def install(engine_client: Any) -> ReuseHook | None:
     hook = ReuseHook(engine_client.generate, detector, policy)
     engine_client.generate = hook.generate
     engine_client._kvrag_reuse_hook = hook
-    logger.info("kvrag: stored passages are found in plain requests (%d entries indexed)", len(index))
+    logger.info("kvrag: finds stored passages in plain requests (%d entries indexed)", len(index))
     return hook

@@ -92,7 +92,7 @@ def test_a_learned_prompt_serves_its_passages_in_another_order_and_a_new_questio
 def test_ingested_passages_with_unknown_glue_and_head_teach_both() -> None:
     stored = Stored()
     for passage in PASSAGES:
-        stored.put(passage + [4093])  # ingested with a suffix the template does not use
+        stored.put([*passage, 4093])  # ingested with a suffix the template does not use
     p = prompt([1, 3, 0], ids(12))
     plan = stored.detector().detect(FP, p, may_learn=True)
     # the head is unknown: nothing loads, the prompt is stored whole, the glue learned
@@ -164,7 +164,7 @@ def test_the_hook_writes_the_load_and_its_salt_for_the_connector() -> None:
     stored = Stored()
     team_a = Tenant.of_salt("team-a")
     stored.put(prompt([0, 1, 2], ids(10)), team_a.fingerprint(FP))
-    hook, engine = hook_over(stored)
+    hook, _engine = hook_over(stored)
     p = prompt([2, 1, 0], ids(14))
     engine_prompt, params = run(hook, p, salt="team-a")
     sent = TransferParams.from_request(params.extra_args["kv_transfer_params"])
@@ -185,7 +185,7 @@ def test_the_hook_writes_the_load_and_its_salt_for_the_connector() -> None:
 def test_requests_that_pass_through_are_untouched(case: str) -> None:
     stored = Stored()
     stored.put(prompt([0, 1, 2], ids(10)))
-    hook, engine = hook_over(stored)
+    hook, _engine = hook_over(stored)
     p = prompt([2, 1, 0], ids(14))
     extra, kw = None, {}
     if case == "opt-out":
