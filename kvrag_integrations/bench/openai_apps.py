@@ -119,7 +119,12 @@ def embeddings_for_llama_index() -> Any:
 
 # ------------------------------------------------------------------ applications
 def langchain_agent(
-    url: str, model: str, passages: list[str], embeddings: Any, http_client: httpx.Client
+    url: str,
+    model: str,
+    passages: list[str],
+    embeddings: Any,
+    http_client: httpx.Client,
+    api_key: str = "none",
 ) -> Callable[[str], Any]:
     """LangChain's RAG agent (its docs), over an ``InMemoryVectorStore`` of ``passages``,
     with ``ChatOpenAI`` pointed at ``url``."""
@@ -133,7 +138,7 @@ def langchain_agent(
     llm = ChatOpenAI(
         model=model,
         base_url=f"{url}/v1",
-        api_key="none",
+        api_key=api_key,
         max_tokens=1,
         temperature=0,
         logprobs=True,

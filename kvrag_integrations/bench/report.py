@@ -22,6 +22,7 @@ from kvrag_integrations.bench import (
     cold,
     match,
     memory,
+    openai_clients,
     peer,
     plots,
     quality,
@@ -73,6 +74,11 @@ SECTIONS = [
     ("stores", stores, "Turbo from memory, disk and Redis per storage precision"),
     ("memory", memory, "Stored cache size per dtype and store read throughput"),
     ("vllm", vllm_serving, "vLLM with the KV connector: reuse, TTFT, throughput, frameworks"),
+    (
+        "openai",
+        openai_clients,
+        "Plain OpenAI clients (ChatOpenAI, OpenAILike) against the server, and vLLM alone",
+    ),
     ("match", match, "Finding stored entries inside a prompt: the content index"),
 ]
 # The PNG files each suite writes next to its JSON (``<name><suffix>.png``).
@@ -152,7 +158,8 @@ def readme_block(
     """The README's benchmark summary: TTFT, an 8B model on a GPU, the stores, the
     peer comparison, quality and vLLM, when measured."""
     parts = []
-    for name in ("ttft", "gpu-scaling-llama-3.1-8b", "stores", "peer", "quality", "vllm"):
+    shown = ("ttft", "gpu-scaling-llama-3.1-8b", "stores", "peer", "quality", "vllm", "openai")
+    for name in shown:
         if name in found:
             pics = images(name, results, readme) if results and readme else []
             parts.append(section(name, found[name], pics[:1]).replace("## ", "### ", 1))

@@ -325,6 +325,10 @@ class SyncedIndex:
     def __len__(self) -> int:
         return len(self.index)
 
+    def __contains__(self, item: object) -> bool:
+        with self._lock:
+            return item in self.index
+
     def close(self) -> None:
         self.log.close()
 

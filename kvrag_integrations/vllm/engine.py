@@ -293,7 +293,8 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
     ) -> Iterator[str]:
         prompt = request.prompt
         run = load_run(self.prompts, prompt) if request.strategy.name == "turbo" else ()
-        params = TransferParams(load=run, tenant=self.tenant)
+        # (this client plans its own loads: the server's detection is for plain clients)
+        params = TransferParams(load=run, tenant=self.tenant, detect=False)
         if run:  # pieces an earlier request left to the background: wait for them
             result.awaited_chunks = self._await_background(prompt, run)
         if run and request.on_miss == "encode":
@@ -304,7 +305,7 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
             prompt.input_ids.tolist(),
             sampling_args(sampling, self.eos_token_ids),
             params.salt(),
-            params.as_request() if run else None,  # an exact request needs no params
+            params.as_request(),
             logprobs,
         )
         cached: int | None = None

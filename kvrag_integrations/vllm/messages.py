@@ -62,6 +62,7 @@ class SaveOp:
     block_ids: tuple[int, ...]
     pieces: tuple[PieceOp, ...]
     namespace: str = ""
+    background: bool = False  # stored after the step (a learned prompt: nothing waits)
 
 
 @dataclass

@@ -19,6 +19,9 @@ API: the request body's ``kv_transfer_params``):
 - ``save``: pieces of this prompt to store as entries (chunk encoding):
   ``[start, rows, []]``, the entry's ids ``prompt[start : start + rows]``.
 - ``overwrite``: store even where an entry exists (the admin role only).
+- ``learn``: the ``save`` may be stored after the answer is returned (a prompt the
+  server learns: nothing waits for it; an encode request's entry is stored before
+  its answer).
 - ``detect``: false opts a plain client's request out of the server's detection
   of stored passages (``reuse_hook``): it then runs exactly, as plain vLLM.
 - ``tenant``: the client's own tenant salt (the namespace it reuses and stores
@@ -53,7 +56,7 @@ PARAMS_KEY = "kvrag"
 MAX_PIECES = 1024  # more pieces than any prompt has: a bound on what a request may ask
 MAX_EDGE = 8192  # a piece's tail or lead: at most an entry's length
 MAX_EDGE_IDS = 65536  # the ids of every piece's lead and tail together (a request's size)
-_FIELDS = {"load", "save", "overwrite", "tenant", "grant", "detect"}
+_FIELDS = {"load", "save", "overwrite", "tenant", "grant", "detect", "learn"}
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ and follow each other; piece 0 starts at 1, not 0
     tenant: str = ""
     grant: Mapping[str, Any] | None = None
     detect: bool = True
+    learn: bool = False
 
     @property
     def load_end(self) -> int:
@@ -130,6 +134,8 @@ and follow each other; piece 0 starts at 1, not 0
             ours["grant"] = dict(self.grant)
         if not self.detect:
             ours["detect"] = False
+        if self.learn:
+            ours["learn"] = True
         return {PARAMS_KEY: ours}
 
     @property
@@ -180,10 +186,10 @@ and follow each other; piece 0 starts at 1, not 0
         grant = ours.get("grant")
         if grant is not None and not isinstance(grant, Mapping):
             raise TransferParamsError("grant must be an object")
-        detect = ours.get("detect", True)
-        if not isinstance(detect, bool):
-            raise TransferParamsError("detect must be true or false")
-        return cls(load, save, overwrite, tenant, grant, detect)
+        detect, learn = ours.get("detect", True), ours.get("learn", False)
+        if not isinstance(detect, bool) or not isinstance(learn, bool):
+            raise TransferParamsError("detect and learn must be true or false")
+        return cls(load, save, overwrite, tenant, grant, detect, learn)
 
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """Raise ``TransferParamsError`` if a piece lies beyond the prompt."""

@@ -27,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.matching import ContentIndex
 from kvrag_integrations.vllm.detection import Detection, Detector
 from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
 from kvrag_integrations.vllm.trust import ClientPolicy, Tenant, request_salt
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PENDING_LEARNS = 16  # background encodes in flight at once (more are dropped)
 GLUE_WAIT_S = 5.0  # the longest a request waits for its glue to be stored
+LEARN_WAIT_S = 3.0  # ... and for a prompt this server is storing that would serve it
 
 
 class ReuseHook:
@@ -65,6 +68,9 @@ class ReuseHook:
         self.policy = policy
         self.sampling_params = sampling_params or _vllm_sampling_params
         self._learning: dict[str, asyncio.Task[None]] = {}
+        # prompts this server asked to store whole, until the index has them
+        self._pending: dict[tuple[str, int], tuple[str, list[int], float]] = {}
+        self._pending_index = ContentIndex()
         self._ids = itertools.count()
 
     async def generate(
@@ -107,14 +113,53 @@ class ReuseHook:
             if waiting:
                 await asyncio.wait(waiting, timeout=GLUE_WAIT_S)
                 detection = self.detector.detect(fingerprint, ids, may_learn)
+        if self._pending and await self._await_learning(fingerprint, ids, detection.load_end):
+            detection = self.detector.detect(fingerprint, ids, may_learn)
         logger.debug("detected %d of %d tokens: %s", detection.load_end, len(ids), detection.reason)
         for span in detection.learn:
             self._learn(span, tenant, params)
         if detection.load:
             self._rewrite(prompt, sampling_params, tenant, params, detection)
         elif detection.learn_prompt:
-            save = (PieceSpec(0, len(ids)),)
-            self._rewrite(prompt, sampling_params, tenant, replace(params, save=save), None)
+            learned = replace(params, save=(PieceSpec(0, len(ids)),), learn=True)
+            self._rewrite(prompt, sampling_params, tenant, learned, None)
+            self._pending_add(fingerprint, ids)
+
+    # ------------------------------------- prompts being stored after their answer
+    def _pending_add(self, fingerprint: str, ids: list[int]) -> None:
+        now = time.monotonic()
+        for key, (fp, entry, since) in list(self._pending.items()):
+            if now - since > LEARN_WAIT_S:  # stored by now, or dropped: forget it
+                del self._pending[key]
+                self._pending_index.remove(fp, entry)
+        if len(self._pending) < MAX_PENDING_LEARNS and self._pending_index.add(fingerprint, ids):
+            self._pending[(fingerprint, hash(tuple(ids)))] = (fingerprint, ids, now)
+
+    async def _await_learning(self, fingerprint: str, ids: list[int], loaded: int) -> bool:
+        """Wait (at most ``LEARN_WAIT_S``) for prompts this server is storing that
+        would serve more of ``ids`` than the store does now; True if one landed.
+
+        A learned prompt is stored after its answer (``params.learn``): a client
+        asking again at once would otherwise find nothing and teach it twice."""
+        runs = self._pending_index.cover(fingerprint, ids)
+        covered = runs[0].end if runs and runs[0].start == 0 else 0
+        waited = {tuple(r.entry) for r in runs}
+        if covered <= loaded or not waited:
+            return False
+        deadline = time.monotonic() + LEARN_WAIT_S
+        index = self.detector.index
+        while time.monotonic() < deadline:
+            refresh = getattr(index, "refresh", None)
+            if refresh is not None:
+                refresh()
+            landed = {e for e in waited if (fingerprint, list(e)) in index}
+            if landed:
+                for entry in landed:
+                    self._pending.pop((fingerprint, hash(entry)), None)
+                    self._pending_index.remove(fingerprint, entry)
+                return True
+            await asyncio.sleep(0.02)
+        return False
 
     def _eligible(
         self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any]

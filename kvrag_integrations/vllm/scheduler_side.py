@@ -55,6 +55,7 @@ class _Plan:
     recomputed: int = 0
     saved: bool = False
     refused: str = ""
+    background: bool = False  # the save may land after the answer (``params.learn``)
 
 
 class SchedulerSide:
@@ -157,7 +158,7 @@ class SchedulerSide:
         if saves and not params.overwrite and self._stored(prompt, tenant):
             # Stored already: nothing to save; read back only where that is exact.
             load, saves = ((saves[0],) if self.lossless else ()), ()
-        return _Plan(tenant, prompt, load, saves, keys)
+        return _Plan(tenant, prompt, load, saves, keys, background=params.learn)
 
     def _key(self, entry_ids: Sequence[int], tenant: Tenant, rank: int = 0) -> str:
         return cache_key(tenant.fingerprint(self.fingerprints[rank]), list(entry_ids))
@@ -198,7 +199,8 @@ class SchedulerSide:
             if plan.saves and not plan.saved and computed + count >= len(plan.prompt):
                 pieces = _overlapping(plan.saves, plan.prompt, 0, len(plan.prompt))
                 blocks = self._blocks(request_id)
-                ops.saves.append(SaveOp(request_id, blocks, pieces, plan.tenant.namespace))
+                namespace = plan.tenant.namespace
+                ops.saves.append(SaveOp(request_id, blocks, pieces, namespace, plan.background))
                 plan.saved = True
         return ops
 

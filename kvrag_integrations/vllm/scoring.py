@@ -229,12 +229,12 @@ class VLLMScoring:
         self, prompt: list[int], load: int, n_query: int, answers: tuple[int, ...]
     ) -> Outcome:
         pieces = (PieceSpec(0, load),) if load else ()
-        params = TransferParams(load=pieces, tenant=self.tenant)
+        params = TransferParams(load=pieces, tenant=self.tenant, detect=False)
         request = BackendRequest(
             prompt,
             dict(_SCORE),
             params.salt(),
-            params.as_request() if pieces else None,
+            params.as_request(),
             stream=False,
             logprob_token_ids=() if n_query else answers,
             prompt_logprobs=bool(n_query),

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _TOUCH_EVERY_S = 60.0  # how often a hot entry's use is recorded in the store
+_MAX_LATER = 4  # learned prompts copied out of the cache, waiting for the writer
 
 
 def layer_index(name: str) -> int:
@@ -80,6 +83,9 @@ class WorkerSide:
         self.store = store
         self.budget = budget
         self.index_log = index_log  # where stored entries are announced (``matching``)
+        self._lock = threading.Lock()
+        self._writer: ThreadPoolExecutor | None = None  # stores learned prompts
+        self._waiting = 0
         self._touched: dict[str, float] = {}
         self.fingerprint = fingerprint
         self.precision = precision
@@ -218,23 +224,56 @@ class WorkerSide:
     # ---------------------------------------------------------------- save
     def save(self, op: SaveOp) -> int:
         """Store each piece of ``op`` from its blocks; return how many were stored
-        (a piece that fails is logged and left a miss)."""
+        (a piece that fails is logged and left a miss). A background op's pieces are
+        copied out of the cache here and stored by a thread (counted as stored)."""
         stored = 0
         for piece in op.pieces:
             try:
-                kv = self._read(op, piece).stored_as(self.precision)
-                if self.budget is not None and not self.budget.admit(_entry_bytes(kv)):
-                    logger.warning("request %s: entry larger than the store", op.request_id)
-                    continue
-                self.store.put(kv)
-                stored += 1
-                if self.index_log is not None:
-                    self._announce(kv)
-            except StoreWriteError as exc:
-                logger.warning("request %s: entry not stored (%s)", op.request_id, exc)
+                kv = self._read(op, piece)
+                if op.background:
+                    stored += self._later(op.request_id, kv)
+                else:
+                    stored += self._store(op.request_id, kv)
             except Exception:
                 logger.exception("request %s: entry not stored", op.request_id)
         return stored
+
+    def _later(self, request_id: str, kv: ChunkKV) -> int:
+        """Store ``kv`` on the writer thread (at most ``_MAX_LATER`` waiting: learning is
+        best effort, the cache's memory is not)."""
+        with self._lock:
+            if self._waiting >= _MAX_LATER:
+                logger.info("request %s: learned entry dropped (writer busy)", request_id)
+                return 0
+            self._waiting += 1
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvrag-store-writer")
+        self._writer.submit(self._store_later, request_id, kv)
+        return 1
+
+    def _store_later(self, request_id: str, kv: ChunkKV) -> None:
+        try:
+            self._store(request_id, kv)
+        except Exception:
+            logger.exception("request %s: entry not stored", request_id)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+    def _store(self, request_id: str, kv: ChunkKV) -> int:
+        try:
+            kv = kv.stored_as(self.precision)
+            with self._lock:  # the budget's accounting: one writer at a time
+                if self.budget is not None and not self.budget.admit(_entry_bytes(kv)):
+                    logger.warning("request %s: entry larger than the store", request_id)
+                    return 0
+                self.store.put(kv)
+        except StoreWriteError as exc:
+            logger.warning("request %s: entry not stored (%s)", request_id, exc)
+            return 0
+        if self.index_log is not None:
+            self._announce(kv)
+        return 1
 
     def _announce(self, kv: ChunkKV) -> None:
         try:

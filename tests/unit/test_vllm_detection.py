@@ -225,3 +225,30 @@ def test_the_hook_learns_a_new_prompt_in_the_request_and_glue_in_the_background(
     hook, engine = hook_over(stored, role="read")
     engine_prompt, params = run(hook, p)
     assert params.extra_args is None and len(engine.seen) == 1
+
+
+def test_a_request_right_after_a_learning_one_waits_for_its_prompt_to_land() -> None:
+    """A learned prompt is stored after its answer: a new question asked at once
+    waits for it (briefly) rather than finding nothing and teaching it again."""
+    stored = Stored()
+    hook, _ = hook_over(stored)
+    first = prompt([0, 1, 2], ids(10))
+    _, params = run(hook, first)
+    assert TransferParams.from_request(params.extra_args["kv_transfer_params"]).learn
+    second = prompt([2, 0, 1], ids(12))
+    engine_prompt = {"type": "token", "prompt_token_ids": second}
+    sampling = SimpleNamespace(extra_args=None, prompt_logprobs=None)
+
+    async def go() -> None:
+        async def land() -> None:  # the worker's writer stores it a moment later
+            await asyncio.sleep(0.1)
+            stored.put(first)
+
+        landing = asyncio.create_task(land())
+        async for _ in hook.generate(engine_prompt, sampling, "r2"):
+            pass
+        await landing
+
+    asyncio.run(go())
+    sent = TransferParams.from_request(sampling.extra_args["kv_transfer_params"])
+    assert sent.load and not sent.save

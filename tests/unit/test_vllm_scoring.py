@@ -101,7 +101,9 @@ def test_query_likelihood_reads_the_query_rows(vllm: VLLMEngine) -> None:
     result = vllm.score_documents([[5, 6, 7]], [3, 4, 9], n_query=2, reuse=False)
     assert result.scores == [-1.0]
     (request,) = vllm.backend.requests
-    assert request.prompt_logprobs and request.params is None and request.salt is None
+    # an exact request: no load, no salt, and the server's detection asked to stay out
+    assert request.prompt_logprobs and request.salt is None
+    assert request.params == {"kvrag": {"detect": False}}
 
 
 def test_a_server_scores_query_likelihood_token_by_token() -> None:

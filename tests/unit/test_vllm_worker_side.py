@@ -226,3 +226,24 @@ def test_saves_keep_the_store_within_its_budget() -> None:
     assert side.budget is not None and side.budget.evicted >= 2  # the oldest went first
     assert store.contains(cache_key(FP, list(range(50, 58))))  # the newest stayed
     assert not StoreBudget(store, max_bytes=one).admit(2 * one)  # never fits: skipped
+
+
+def test_a_learned_prompt_is_stored_after_the_step_and_announced_to_the_index() -> None:
+    from kvrag_integrations.matching import MemoryIndexLog
+
+    store, log = MemoryKVStore(), MemoryIndexLog()
+    side = worker(store)
+    side.index_log = log
+    blocks = (0, 1)
+    for index, cache in side.caches.items():
+        torch.manual_seed(index)
+        cache.copy_(torch.randn_like(cache))
+    op = SaveOp("s", blocks, (PieceOp(0, 6, (1, 2, 3, 4, 5, 6)),), "", background=True)
+    assert side.save(op) == 1
+    side._writer.shutdown(wait=True)  # the writer thread has stored it by now
+    key = cache_key(FP, [1, 2, 3, 4, 5, 6])
+    stored = store.get(key, FP)
+    assert stored is not None
+    keys, _ = side._paged().read(side.caches[1], side.slots(blocks, 0, 6))
+    torch.testing.assert_close(stored.keys[1], keys.transpose(0, 1))  # model precision
+    assert [(ns, ids.tolist()) for ns, ids in log.read_new()] == [(FP, [1, 2, 3, 4, 5, 6])]

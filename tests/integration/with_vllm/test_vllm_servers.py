@@ -37,7 +37,8 @@ def test_chunks_encoded_through_one_replica_are_reused_by_the_other_at_once(
 def test_a_plain_openai_request_after_turbo_equals_a_fresh_computation(
     vllm_servers: list[VLLMServer], musique: Corpus, connect: Callable[..., VLLMEngine]
 ) -> None:
-    """The same tokens from any OpenAI client never meet turbo's approximate blocks."""
+    """The same tokens from any OpenAI client, opted out of detection, never meet
+    turbo's approximate blocks."""
     server = vllm_servers[0]
     engine = connect(server.url)
     item, chunks = musique.item(41), musique.chunks(41, 2, tag="plain")
@@ -51,10 +52,11 @@ def test_a_plain_openai_request_after_turbo_equals_a_fresh_computation(
             model=engine.model_name, prompt=prompt, max_tokens=16, temperature=0, **extra
         )
 
-    fresh = plain(extra_body={"cache_salt": "a-fresh-computation"})
+    exact = {"kv_transfer_params": {"kvrag": {"detect": False}}}  # (else the server reuses)
+    fresh = plain(extra_body={"cache_salt": "a-fresh-computation", **exact})
     turbo = engine.generate(question=item.question, chunks=chunks, max_new_tokens=16)
     assert turbo.reused_chunks == 2
-    after = plain()
+    after = plain(extra_body=exact)
     assert after.choices[0].text == fresh.choices[0].text
     details = after.usage.prompt_tokens_details  # the server always reports them
     assert details.cached_tokens < 128  # no turbo block served
