@@ -50,6 +50,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
     parser.add_argument("--chunk-overlap", type=int, default=20, help="tokens shared by chunks")
     parser.add_argument("--batch-size", type=int, default=8, help="chunks per forward")
+    parser.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="encode through a vLLM server with the connector (python -m "
+        "kvrag_integrations.vllm.serve): its store keeps the caches, and its plain "
+        "OpenAI clients find them from their first request (--store, --model unused)",
+    )
+    parser.add_argument("--api-key", default=None, help="the server's API key, if it has keys")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -98,22 +107,34 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("need --chunk-size > 0 and 0 <= --chunk-overlap < --chunk-size")
     started = time.perf_counter()
     files = find_files(args.paths)
-    store = store_from(args)
     collection = get_collection(chroma_client(args, create=True), args.collection, create=True)
-    engine = engine_from(args, store)
+    if args.server:
+        from kvrag_integrations.vllm import VLLMEngine
+
+        store, engine = None, VLLMEngine.connect(args.server, api_key=args.api_key)
+    else:
+        store = store_from(args)
+        engine = engine_from(args, store)
     pipeline = _pipeline(engine, collection, args)
     tally, keys = Tally(), set()
     bar = tqdm(files, desc="Ingesting", unit="file", disable=args.no_progress, file=sys.stderr)
-    with bar:
-        for path in bar:
-            keys |= _ingest_file(path, engine, collection, pipeline, args, tally)
-    cached = sum(info.nbytes for info in store.entries() if info.key in keys)
+    try:
+        with bar:
+            for path in bar:
+                keys |= _ingest_file(path, engine, collection, pipeline, args, tally)
+    finally:
+        if store is None:
+            engine.close()
+    if store is None:
+        where = f"stored by {args.server}"
+    else:
+        cached = sum(info.nbytes for info in store.entries() if info.key in keys)
+        where = f"{store.stats.writes} written, {human_bytes(cached)} cached"
     print(
         f"ingested {len(files)} files ({tally.new} new, {tally.changed} changed, "
         f"{tally.unchanged} unchanged, {tally.skipped} empty) into {args.collection!r}: "
         f"{tally.chunks} chunks, {tally.tokens} tokens, {len(keys)} caches "
-        f"({store.stats.writes} written), {human_bytes(cached)} cached, "
-        f"{time.perf_counter() - started:.1f} s"
+        f"({where}), {time.perf_counter() - started:.1f} s"
     )
     return 0
 

@@ -13,7 +13,7 @@ prompt (plus the runs found). A second table keys each entry's first
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -181,7 +181,12 @@ class ContentIndex:
         self.add_many(live)
 
     # ------------------------------------------------------------- cover
-    def cover(self, namespace: str, prompt: Sequence[int] | np.ndarray) -> list[Run]:
+    def cover(
+        self,
+        namespace: str,
+        prompt: Sequence[int] | np.ndarray,
+        accept: Callable[[tuple[int, ...], int], bool] | None = None,
+    ) -> list[Run]:
         """The greedy cover of ``prompt`` by runs it shares with entries of ``namespace``.
 
         Runs are maximal (extended both ways as far as the ids agree), at least
@@ -189,7 +194,9 @@ class ContentIndex:
         From ``c = 0`` the run covering ``c`` that reaches furthest right (ties:
         the earliest-added entry) gives the piece ``[c, its end)``; where no run
         covers ``c`` the cover jumps to the next run's start. Pieces are sorted,
-        non-overlapping and verified id by id.
+        non-overlapping and verified id by id. ``accept(entry, offset)``, where
+        given, vets each maximal run before the cover (one that starts inside an
+        entry can be refused for what the entry holds before it).
         """
         space = self._space_ids.get(namespace)
         ids = np.asarray(prompt)
@@ -213,14 +220,17 @@ class ContentIndex:
         ]
         tokens, starts = self._tokens.view, self._starts.view
         entries: dict[int, tuple[int, ...]] = {}
-        out = []
-        for start, length, number, offset in greedy_cover(kept):
-            if number not in entries:  # the entry's tuple, only for pieces returned
+
+        def entry(number: int) -> tuple[int, ...]:  # built only for runs looked at
+            if number not in entries:
                 first = int(starts[number])
                 stop = first + int(self._lengths.view[number])
                 entries[number] = tuple(tokens[first:stop].tolist())
-            out.append(Run(start, length, entries[number], offset))
-        return out
+            return entries[number]
+
+        if accept is not None:
+            kept = [r for r in kept if accept(entry(r[2]), r[3])]
+        return [Run(s, n, entry(e), o) for s, n, e, o in greedy_cover(kept)]
 
     def _extend_hits(
         self,

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -314,13 +314,18 @@ class SyncedIndex:
         with self._lock:
             return self.index.remove(namespace, ids)
 
-    def cover(self, namespace: str, prompt: Sequence[int] | np.ndarray) -> list[Run]:
+    def cover(
+        self,
+        namespace: str,
+        prompt: Sequence[int] | np.ndarray,
+        accept: Callable[[tuple[int, ...], int], bool] | None = None,
+    ) -> list[Run]:
         """``ContentIndex.cover`` after applying the log's new records (at most
         every ``refresh_s`` seconds)."""
         with self._lock:
             if time.monotonic() - self._refreshed >= self.refresh_s:
                 self.refresh()
-            return self.index.cover(namespace, prompt)
+            return self.index.cover(namespace, prompt, accept)
 
     def __len__(self) -> int:
         return len(self.index)

@@ -12,6 +12,9 @@ now. The run stops at the first text that is in no entry; vLLM computes the rest
 What is read is always verified: a run's ids were compared with the entry's own
 (never a hash alone), the connector keys each piece by its entry's ids in the
 request's namespace, and the store checks the entry's integrity code and key.
+Rows read from inside an entry saw the entry's ids before them: they are used
+only where this prompt holds that text too (``_ContextCheck``), so no stored
+prompt can carry text another request never sent into its answer.
 Loading rows of an entry at another position, after other text, is TurboRAG's
 approximation (a passage encoded in another context, keys re-rotated).
 
@@ -31,12 +34,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvrag_integrations.chunk_kv import cache_key
+from kvrag_integrations.matching import ContentIndex
 from kvrag_integrations.vllm.params import PieceSpec
 
 MAX_GLUE_TOKENS = 32  # text between two found passages that is looked up (and learned) as glue
 MIN_SHARE = 0.5  # a request that would load less than this share runs exactly and is learned
 LEARN_MIN_TOKENS = 256  # shorter prompts (and remainders) are not worth an entry
 MAX_LEARN_PER_REQUEST = 8  # background encodes one request may start
+MAX_FOREIGN_TOKENS = 4  # what rows read from inside an entry may have attended to unseen
 
 
 class RunLike(Protocol):
@@ -49,7 +54,12 @@ class RunLike(Protocol):
 class RunIndex(Protocol):
     """The content index the detector reads (``matching.SyncedIndex``)."""
 
-    def cover(self, namespace: str, prompt: Sequence[int]) -> Sequence[RunLike]: ...
+    def cover(
+        self,
+        namespace: str,
+        prompt: Sequence[int],
+        accept: Callable[[tuple[int, ...], int], bool] | None = None,
+    ) -> Sequence[RunLike]: ...
 
     def remove(self, namespace: str, ids: Sequence[int]) -> bool: ...
 
@@ -138,10 +148,12 @@ class Detector:
         return Detection(tuple(pieces), False, tuple(learn), unknown_glue, found, reason)
 
     def _stored_runs(self, fingerprint: str, prompt: list[int]) -> list[RunLike]:
-        """The index's cover of ``prompt``, without entries the store has lost
-        since they were indexed (they are forgotten, and the cover is asked again)."""
+        """The index's cover of ``prompt`` by runs whose context it holds
+        (``_context_held``), without entries the store has lost since they were
+        indexed (they are forgotten, and the cover is asked again)."""
+        held = _ContextCheck(prompt)
         for _ in range(3):
-            runs = list(self.index.cover(fingerprint, prompt))
+            runs = list(self.index.cover(fingerprint, prompt, held))
             gone = {r.entry for r in runs if not self._stored(fingerprint, r.entry)}
             if not gone:
                 return runs
@@ -183,3 +195,34 @@ class Detector:
         if key not in self._known:
             self._known[key] = bool(self.contains(key))
         return self._known[key]
+
+
+class _ContextCheck:
+    """Whether rows read from inside an entry saw only text this prompt holds too.
+
+    A stored row's K/V carry what it attended to: the entry's ids before it. A
+    passage found inside a stored prompt after other text (an instruction, an
+    injection) would bring that text's influence into a request that never sent
+    it. A run that starts inside an entry is used only where the entry's ids
+    before it are runs of this prompt too (in any order: the same passages
+    retrieved again), but for ``MAX_FOREIGN_TOKENS`` (edge tokens merged
+    differently).
+    """
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+        self.index: ContentIndex | None = None
+        self.seen: dict[tuple[int, int], bool] = {}
+
+    def __call__(self, entry: tuple[int, ...], offset: int) -> bool:
+        if offset <= MAX_FOREIGN_TOKENS:
+            return True
+        key = (id(entry), offset)
+        if key not in self.seen:
+            if self.index is None:
+                self.index = ContentIndex()
+                self.index.add("prompt", self.prompt)
+            lead = entry[:offset]
+            held = sum(r.length for r in self.index.cover("prompt", lead))
+            self.seen[key] = len(lead) - held <= MAX_FOREIGN_TOKENS
+        return self.seen[key]

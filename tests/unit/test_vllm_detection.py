@@ -252,3 +252,19 @@ def test_a_request_right_after_a_learning_one_waits_for_its_prompt_to_land() -> 
     asyncio.run(go())
     sent = TransferParams.from_request(sampling.extra_args["kv_transfer_params"])
     assert sent.load and not sent.save
+
+
+def test_a_passage_stored_after_text_this_prompt_lacks_is_not_read_from_there() -> None:
+    """Rows carry what they attended to: a passage inside a stored prompt after an
+    injected instruction is not loaded into a prompt without that instruction."""
+    stored = Stored()
+    injection = ids(40)
+    stored.put(HEAD + GLUE + injection + GLUE + PASSAGES[0] + GLUE + PASSAGES[1] + TAIL)
+    victim = prompt([1, 0], ids(12))
+    plan = stored.detector().detect(FP, victim, may_learn=True)
+    end = check_pieces(plan.load, victim, stored)
+    assert end <= len(HEAD) + len(GLUE)  # only the head (what the victim sent too)
+    # the same passages after text the victim does send are read as before
+    stored.put(prompt([0, 1], ids(10)))
+    plan = stored.detector().detect(FP, victim, may_learn=True)
+    assert check_pieces(plan.load, victim, stored) >= len(victim) - 12 - len(TAIL)

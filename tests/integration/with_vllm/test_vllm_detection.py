@@ -185,3 +185,42 @@ def test_requests_without_reuse_equal_vllms_own_computation(
     # differs by vLLM's own noise, up to 3e-5 here; a loaded block moves them by
     # more than 1e-3. (bench openai compares with a plain server run alike: 1e-5.)
     assert max_logprob_gap(top, want) <= 5e-5
+
+
+def test_kvrag_ingest_through_the_server_is_found_by_plain_clients(
+    vllm_servers: list[VLLMServer], vllm_engine: VLLMEngine, musique: Corpus, tmp_path
+) -> None:
+    """``kvrag ingest --server``: the files' chunks are encoded by the server, and a
+    plain client holding them reuses them on its first request."""
+    import subprocess
+    import sys
+
+    texts = musique.chunks(66, 2, tag="detect-cli")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for i, text in enumerate(texts):
+        (notes / f"{i}.txt").write_text(text)
+    url = vllm_servers[0].url
+    command = [sys.executable, "-m", "kvrag_integrations.cli", "ingest", str(notes)]
+    command += ["--collection", "notes", "--chroma", str(tmp_path / "chroma")]
+    command += ["--server", url, "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"stored by {url}" in done.stdout
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    head = "Answer from these notes only:\n\n"
+
+    def ask(context: str, question: str):  # type: ignore[no-untyped-def]
+        messages = [
+            {"role": "system", "content": head + context},
+            {"role": "user", "content": question},
+        ]
+        reply = client.chat.completions.create(
+            model=vllm_engine.model_name, messages=messages, max_tokens=1
+        )
+        return reply.usage
+
+    warm = "\n\n".join(musique.chunks(67, 3, tag="detect-cli-head"))
+    ask(warm, "What is this?")  # a prompt of this template, learned: its head is known
+    usage = ask("\n\n".join(texts[::-1]), musique.item(66).question)
+    assert usage.prompt_tokens_details.cached_tokens >= 0.85 * usage.prompt_tokens
