@@ -193,6 +193,8 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrag-bench-server-")
+        self._log: Any = None
+        self._seen: set[int] = set()
 
     def command(self) -> list[str]:
         from kvrag_integrations.vllm.launch import cpu_kv_cache_bytes, plain_server_command
@@ -201,8 +203,29 @@ class Server:
         rest += ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes())]
         if self.kind == "plain":
             return plain_server_command(None, rest)
-        store = f"disk:{Path(self._tmp.name) / 'store'}"
+        store = self.store_url
         return [sys.executable, "-m", "kvrag_integrations.vllm.serve", "--store", store, *rest]
+
+    @property
+    def store_url(self) -> str:
+        return f"disk:{Path(self._tmp.name) / 'store'}"
+
+    def wait_learned(self, length: int, timeout: float = 60.0) -> float:
+        """Seconds until the store's index holds an entry of ``length`` ids (a learned
+        prompt is written after its answer); 0 for vLLM alone."""
+        if self.kind != "kvrag":
+            return 0.0
+        from kvrag_integrations.matching import open_index_log
+
+        if self._log is None:
+            self._log = open_index_log(self.store_url)
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            self._seen |= {len(ids) for _, ids in self._log.read_new()}
+            if length in self._seen:
+                return time.monotonic() - started
+            time.sleep(0.02)
+        raise RuntimeError(f"no entry of {length} ids was stored in {timeout} s")
 
     def __enter__(self) -> Server:
         from kvrag_integrations.vllm.launch import platform_env
