@@ -228,19 +228,13 @@ class Server:
         raise RuntimeError(f"no entry of {length} ids was stored in {timeout} s")
 
     def __enter__(self) -> Server:
-        from kvrag_integrations.vllm.launch import platform_env
+        from kvrag_integrations.vllm.launch import platform_env, wait_until_serving
 
         log = open(Path(self._tmp.name) / "server.log", "wb")
         env = {**platform_env(), **os.environ}
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        if wait_until_serving(self.url, self.proc):
+            return self
         self.__exit__()
         raise RuntimeError((Path(self._tmp.name) / "server.log").read_text()[-3000:])
 

@@ -227,6 +227,24 @@ def plain_server_command(model: str | None, rest: list[str]) -> list[str]:
     return [*command, *_flags(args), "--enable-prompt-tokens-details", *rest]
 
 
+def wait_until_serving(url: str, process: Any, timeout: float = 600.0) -> bool:
+    """Whether the OpenAI server at ``url`` (started as ``process``, a ``Popen``)
+    answers ``/v1/models`` within ``timeout`` seconds (False: it exited or did not)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    return False
+
+
 def _flags(engine_args: dict[str, Any]) -> list[str]:
     """Engine arguments as the server's flags (``enforce_eager=True`` -> ``--enforce-eager``)."""
     flags: list[str] = []

@@ -6,12 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ from kvrag_integrations.bench.common import RagItem
 from kvrag_integrations.engine.modeling.sampling import SamplingParams
 from kvrag_integrations.vllm.backend import BackendRequest, sampling_args
 from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.launch import wait_until_serving
 
 TOP = 20  # log-probabilities compared per first token
 # Each vLLM of the tests gets a KV cache of this size (several run at once).
@@ -90,16 +89,8 @@ class VLLMServer:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 300.0) -> VLLMServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        if wait_until_serving(self.url, self.proc, timeout):
+            return self
         self.stop()
         raise RuntimeError(f"vLLM server did not start:\n{self.log.read_text()[-3000:]}")
 
