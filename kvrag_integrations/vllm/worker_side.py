@@ -109,6 +109,12 @@ class WorkerSide:
         # Probed at first use: the backend sets up its layers after the caches exist.
         if self.paged is None:
             self.paged = PagedLayout.probe(self.layers[0], self.caches[0], self.layout.head_dim)
+            direct = self.paged.direct is not None and self.caches[0].is_contiguous()
+            logger.info(
+                "paged cache probed: blocks of %d tokens; loads write whole blocks %s",
+                self.paged.block_size,
+                "by strided copies" if direct else "with the backend's op",
+            )
         return self.paged
 
     def slots(self, block_ids: Sequence[int], lo: int, hi: int) -> torch.Tensor:
