@@ -110,7 +110,12 @@ def parser() -> argparse.ArgumentParser:
         "--ratios", type=_floats, default=None, help="blend recompute ratios, e.g. 0.05,0.15"
     )
     p.add_argument("--counts", type=_ints, default=None, help="scaling: chunk counts, e.g. 1,2,4")
-    p.add_argument("--lengths", type=_ints, default=None, help="scaling: chunk lengths (tokens)")
+    p.add_argument(
+        "--lengths",
+        type=_ints,
+        default=None,
+        help="scaling: chunk lengths (tokens); vllm prefix-hit: prompt lengths",
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help="quality/peer: answer length")
     p.add_argument(
         "--preset",
@@ -123,6 +128,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--scoring", default=None, help="rerank: judge or query_likelihood")
     p.add_argument("--vllm", action="store_true", help="rerank: add a vLLM column")
+    p.add_argument(
+        "--parts",
+        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+        default=None,
+        help="vllm: the parts to run (ttft, throughput, agreement, frameworks, prefix-hit)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 2 items, tiny sizes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG files")
     p.add_argument(
@@ -150,6 +161,7 @@ def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any
         "loglik": False if args.no_loglik else None,
         "scoring": args.scoring,
         "vllm": True if args.vllm else None,
+        "parts": args.parts,
     }
     if args.ratios is not None:
         given["strategies"] = [("full", {}), ("turbo", {})]
@@ -185,6 +197,8 @@ def result_name(name: str, args: argparse.Namespace, engine: KVRAGEngine) -> str
         out_name = name if args.preset in (None, "default") else f"{name}-{args.preset}"
     if name == "rerank" and args.scoring:  # one result file per scoring, side by side
         out_name = f"{out_name}-{args.scoring}"
+    if args.parts:  # some parts only: never over the whole suite's file
+        out_name = f"{out_name}-{'-'.join(args.parts)}"
     if args.tag:  # e.g. one file per model or prompt shape
         out_name = f"{out_name}-{args.tag}"
     return out_name

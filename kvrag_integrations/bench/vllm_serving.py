@@ -20,10 +20,18 @@ questions with their first ``n_chunks`` passages (about 2k tokens with three):
   request's prompt read from cache;
 - **agreement**: turbo through vLLM against the in-process turbo, same
   prompts: greedy answers equal, and the first token's top-20 log-probability
-  gap.
+  gap;
+- **prefix-hit** (only when asked: ``--parts prefix-hit``): a request served
+  from our store against the same token ids served from vLLM's own prefix
+  cache, at ``--lengths`` prompt tokens (``bench.prefix_hit``).
+
+``--parts`` picks some of them (``reuse`` and ``ttft`` are one part, ``ttft``);
+by default the first five run.
 
 Examples:
     python -m kvrag_integrations.bench vllm --items 10 --repeats 3 --out docs/bench
+    python -m kvrag_integrations.bench vllm --parts prefix-hit --lengths 1000,3500,6000 \
+        --repeats 5
 """
 
 from __future__ import annotations
@@ -35,12 +43,14 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.bench import shapes
+from kvrag_integrations.bench import prefix_hit, shapes
 from kvrag_integrations.bench.common import RagItem, markdown_table, trimmed_chunks
 from kvrag_integrations.chunk_kv import dtype_name
 from kvrag_integrations.engine.modeling.model import DEFAULT_MODEL_NAME
 
 QUICK = {"items": 2, "n_chunks": 2, "chunk_tokens": 64, "repeats": 1, "max_new_tokens": 4}
+PARTS = ("ttft", "throughput", "agreement", "frameworks", "prefix-hit")
+DEFAULT_PARTS = PARTS[:4]
 
 
 def run(
@@ -52,15 +62,26 @@ def run(
     repeats: int = 3,
     max_new_tokens: int = 32,
     concurrency: int = 8,
+    parts: list[str] | None = None,
+    lengths: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The figures above (see the module doc); ``chunk_tokens`` trims passages."""
+    """The figures above (see the module doc); ``chunk_tokens`` trims passages,
+    ``lengths`` are the prefix-hit part's prompt lengths."""
     from kvrag_integrations.vllm import VLLMEngine
 
+    chosen = list(parts or DEFAULT_PARTS)
+    unknown = set(chosen) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown vllm parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     model, options = _model_of(engine)
     served = VLLMEngine.from_pretrained(
         model, max_model_len=engine.context_window, dtype=dtype_name(engine.dtype), **options
     )
     try:
+        if chosen == ["prefix-hit"]:  # alone: none of the shared setup below
+            payload = {"parts": chosen, "vllm": _vllm_version()}
+            payload.update(_prefix_hit(served, items, lengths, repeats))
+            return payload
         prompts = [(it.question, _chunks(engine, it, n_chunks, chunk_tokens)) for it in items]
         started = time.perf_counter()
         for _, chunks in prompts:
@@ -77,15 +98,28 @@ def run(
             "concurrency": concurrency,
             "vllm_encode_s": round(encode_s, 2),
             "vllm": _vllm_version(),
+            "parts": chosen,
         }
-        payload.update(_ttft(served, engine, prompts, repeats))
-        payload.update(_throughput(served, engine, prompts, concurrency, max_new_tokens))
+        if "ttft" in chosen:
+            payload.update(_ttft(served, engine, prompts, repeats))
+        if "throughput" in chosen:
+            payload.update(_throughput(served, engine, prompts, concurrency, max_new_tokens))
         if not options:  # the same weights on both sides: answers can be compared
-            payload.update(_agreement(served, engine, prompts, max_new_tokens))
-            payload.update(_frameworks(served, items[0]))
+            if "agreement" in chosen:
+                payload.update(_agreement(served, engine, prompts, max_new_tokens))
+            if "frameworks" in chosen:
+                payload.update(_frameworks(served, items[0]))
+        if "prefix-hit" in chosen:
+            payload.update(_prefix_hit(served, items, lengths, repeats))
     finally:
         served.close()
     return payload
+
+
+def _prefix_hit(
+    served: Any, items: list[RagItem], lengths: list[int] | None, repeats: int
+) -> dict[str, Any]:
+    return prefix_hit.measure(served, items, list(lengths or prefix_hit.DEFAULT_LENGTHS), repeats)
 
 
 def _model_of(engine: Any) -> tuple[str | None, dict[str, Any]]:
@@ -230,6 +264,26 @@ def _frameworks(served: Any, item: RagItem) -> dict[str, Any]:
 
 
 def table(payload: dict[str, Any]) -> str:
+    """The parts measured, one table (or line) each."""
+    sections = []
+    if "ttft_ms" in payload:
+        sections.append(_ttft_table(payload))
+    if "vllm_concurrent_s" in payload:
+        sections.append(_throughput_table(payload))
+    if "lcel_second_cached_share" in payload:  # not with dummy weights: timings only
+        sections.append(_frameworks_table(payload))
+    if "agree_answers" in payload:
+        sections.append(
+            f"Turbo through vLLM against the in-process turbo, same prompts: "
+            f"{payload['agree_answers']}/{payload['agree_of']} greedy answers equal, first-token "
+            f"top-20 log-probability gap at most {payload['max_logprob_gap']:.2g}."
+        )
+    if "prefix_hit" in payload:
+        sections.append(prefix_hit.table(payload))
+    return "\n\n".join(sections)
+
+
+def _ttft_table(payload: dict[str, Any]) -> str:
     ttft = payload["ttft_ms"]
     full = ttft["vllm_full"]
     rows = [
@@ -252,11 +306,14 @@ def table(payload: dict[str, Any]) -> str:
             None,
         ],
     ]
-    first = markdown_table(
+    return markdown_table(
         ["engine", "TTFT ms (median)", "vs vLLM prefill", "prompt cached by vLLM % (median)"], rows
     )
+
+
+def _throughput_table(payload: dict[str, Any]) -> str:
     n = payload["concurrency"]
-    second = markdown_table(
+    return markdown_table(
         [
             f"{n} concurrent requests, {payload['max_new_tokens']} new tokens each",
             "wall s",
@@ -278,9 +335,10 @@ def table(payload: dict[str, Any]) -> str:
             ],
         ],
     )
-    if "lcel_second_cached_share" not in payload:  # dummy weights: timings only
-        return "\n\n".join([first, second])
-    third = markdown_table(
+
+
+def _frameworks_table(payload: dict[str, Any]) -> str:
+    return markdown_table(
         ["framework pattern on VLLMEngine", "second request: prompt read from cache %"],
         [
             ["LangChain LCEL over InMemoryVectorStore", 100 * payload["lcel_second_cached_share"]],
@@ -290,9 +348,3 @@ def table(payload: dict[str, Any]) -> str:
             ],
         ],
     )
-    agree = (
-        f"Turbo through vLLM against the in-process turbo, same prompts: "
-        f"{payload['agree_answers']}/{payload['agree_of']} greedy answers equal, first-token "
-        f"top-20 log-probability gap at most {payload['max_logprob_gap']:.2g}."
-    )
-    return "\n\n".join([first, second, third, agree])

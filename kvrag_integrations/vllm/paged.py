@@ -12,7 +12,12 @@ assume one packing:
 - reading uses a map from (token, head, dim) to a position in the block, found
   once by writing known values into a one-block scratch cache with that same
   op (``PagedLayout.probe``), so reading is the exact inverse of writing, on
-  any backend that has the op.
+  any backend that has the op;
+- where that map is affine (the CPU backend's is) and the op, tried on random
+  values, is a plain copy to those places, a load's whole blocks are written
+  by one strided copy per layer side (``PagedLayout.write``): the op's
+  per-token loop costs 2-3x more over thousands of tokens. Partial blocks,
+  and every write elsewhere, go through the op.
 
 Slots are ``block_id * block_size + offset`` in the scheduler's blocks; a
 backend whose kernel blocks are smaller than the scheduler's splits each block
@@ -29,6 +34,7 @@ import torch
 from kvrag_integrations.errors import PagedLayoutError
 
 _DIGIT = 16  # probe values per pass: exact in every float dtype, bfloat16 included
+Strides = tuple[int, int, int, int]  # offset, then token, head and dim strides in a block
 
 
 @dataclass(frozen=True)
@@ -39,11 +45,15 @@ class PagedLayout:
         block_size: tokens per (kernel) block.
         key_pos, value_pos: ``[block_size, kv_heads, head_dim]`` flat positions in
             a block's ``[kv_heads, block_size, content]`` elements.
+        direct: ``(offset, token stride, head stride, dim stride)`` of keys and of
+            values in a block, where the op is a plain copy to affine places
+            (whole blocks are then written by strided copies); None: the op only.
     """
 
     block_size: int
     key_pos: torch.Tensor
     value_pos: torch.Tensor
+    direct: tuple[Strides, Strides] | None = None
 
     @classmethod
     def probe(cls, layer: Any, kv_cache: torch.Tensor, head_dim: int) -> PagedLayout:
@@ -88,7 +98,71 @@ class PagedLayout:
                 scale *= _DIGIT
         key_pos = _positions(found, kinds == 1, (block, heads, head_dim))
         value_pos = _positions(found, kinds == -1, (block, heads, head_dim))
-        return cls(block, key_pos, value_pos)
+        layout = cls(block, key_pos, value_pos)
+        keys, values = _affine(key_pos), _affine(value_pos)
+        if keys is None or values is None:
+            return layout
+        direct = cls(block, key_pos, value_pos, (keys, values))
+        return direct if direct._copies_as_the_op(layer, kv_cache) else layout
+
+    def _copies_as_the_op(self, layer: Any, kv_cache: torch.Tensor) -> bool:
+        """Whether a strided write of random K/V leaves a block exactly as the op does
+        (not so for an op that scales or quantizes: the direct path is then off)."""
+        _, heads, block, content = kv_cache.shape
+        shape = (block, heads, self.key_pos.shape[2])
+        generator = torch.Generator().manual_seed(0)
+        keys, values = (torch.randn(shape, generator=generator) for _ in range(2))
+        keys, values = (t.to(device=kv_cache.device, dtype=kv_cache.dtype) for t in (keys, values))
+        by_op, by_copy = (
+            torch.zeros((2, heads, block, content), dtype=kv_cache.dtype, device=kv_cache.device)
+            for _ in range(2)
+        )
+        slots = torch.arange(block, 2 * block, device=kv_cache.device)  # the second block
+        layer.impl.do_kv_cache_update(layer, keys, values, by_op, slots)
+        self._copy_blocks(by_copy, torch.tensor([1], device=kv_cache.device), keys, values)
+        return bool(torch.equal(by_op, by_copy))
+
+    def write(
+        self,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Write ``keys`` / ``values`` ``[n, kv_heads, head_dim]`` at ``slots``: the
+        whole blocks by strided copies (``direct``), the rest with the op."""
+        device, dtype = kv_cache.device, kv_cache.dtype
+        keys, values = (t.to(device=device, dtype=dtype).contiguous() for t in (keys, values))
+        slots = slots.to(device=device, dtype=torch.long)
+        size, n = self.block_size, slots.numel()
+        head = -int(slots[0]) % size if n else 0  # tokens before the first block boundary
+        count = (n - head) // size if self.direct is not None and kv_cache.is_contiguous() else 0
+        body = slots[head : head + count * size].view(count, size)
+        whole = body[:, :1] + torch.arange(size, device=device)
+        if count == 0 or not (torch.equal(body, whole) and bool((body[:, 0] % size == 0).all())):
+            write(layer, kv_cache, slots, keys, values)  # not whole blocks in order: the op
+            return
+        rows = slice(head, head + count * size)
+        self._copy_blocks(kv_cache, body[:, 0] // size, keys[rows], values[rows])
+        for part in (slice(0, head), slice(head + count * size, n)):  # partial blocks: the op
+            if part.stop > part.start:
+                write(layer, kv_cache, slots[part], keys[part], values[part])
+
+    def _copy_blocks(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Keys and values ``[len(blocks) * block_size, kv_heads, head_dim]`` (in the
+        cache's dtype) into whole ``blocks`` of a contiguous cache, one copy each."""
+        assert self.direct is not None
+        count, size = blocks.numel(), self.block_size
+        shape = (kv_cache.shape[0], size, *self.key_pos.shape[1:])
+        for strides, rows in zip(self.direct, (keys, values)):
+            offset, *within = strides
+            view = kv_cache.as_strided(
+                shape, (kv_cache.stride(0), *within), kv_cache.storage_offset() + offset
+            )
+            view.index_copy_(0, blocks, rows.reshape(count, *shape[1:]))
 
     def read(
         self, kv_cache: torch.Tensor, slots: torch.Tensor
@@ -123,6 +197,23 @@ def _positions(
             "per block: the connector cannot read this cache"
         )
     return pos
+
+
+def _affine(pos: torch.Tensor) -> Strides | None:
+    """``pos`` as an offset and non-negative strides, if it is one (else None)."""
+    block, heads, dim = pos.shape
+    base = int(pos[0, 0, 0])
+    strides = (
+        int(pos[1, 0, 0]) - base if block > 1 else 0,
+        int(pos[0, 1, 0]) - base if heads > 1 else 0,
+        int(pos[0, 0, 1]) - base if dim > 1 else 0,
+    )
+    if min(strides) < 0:
+        return None
+    grid = torch.meshgrid(*(torch.arange(n) for n in pos.shape), indexing="ij")
+    if not torch.equal(pos, base + sum(g * s for g, s in zip(grid, strides))):
+        return None
+    return (base, *strides)
 
 
 def write(

@@ -1,16 +1,20 @@
 """The connector in a vLLM worker: stored pieces into the paged cache, prefilled ones out.
 
-Loading (before the step's forward): each piece's entry is read and verified by
-the store (integrity code, key, fingerprint), checked against this worker's
-layout (layers, KV heads, head size), cast to the cache's dtype, its keys moved
-from the entry row the piece starts at (0, or inside an entry: a passage found in
-a stored prompt) to the piece's start (``RotaryShift``, the same rotation the
-in-process engine applies), and written per layer with the attention backend's
-own write op. A piece that cannot be loaded (missing since the lookup, corrupt,
-foreign, another shape) is a miss: its blocks and every later one of the
-request are reported as failed loads, and vLLM recomputes them
-(``kv_load_failure_policy="recompute"``). Nothing of it reaches the cache as
-if it were valid.
+Loading (before the step's forward): each piece's entry is read (once per load,
+on threads where the store waits on I/O) and verified by the store (integrity
+code, key, fingerprint; the worker's memory tier holds verified entries),
+checked against this worker's layout (layers, KV heads, head size), its rows
+gathered per layer into one token-major buffer (cast from the stored form on
+the way), its keys moved from the entry row the piece starts at (0, or inside
+an entry: a passage found in a stored prompt) to the piece's start
+(``RotaryShift``, the same rotation the in-process engine applies, in float32),
+and written per layer as the attention backend writes (``PagedLayout.write``:
+its own write op, or a strided copy of whole blocks where the probe found the
+op to be one). A piece that cannot be loaded (missing since the lookup,
+corrupt, foreign, another shape) is a miss: its blocks and every later one of
+the request are reported as failed loads, and vLLM recomputes them
+(``kv_load_failure_policy="recompute"``). Nothing of it reaches the cache as if
+it were valid.
 
 Saving (after the step's forward): the piece's K/V are read back out of the
 blocks (``PagedLayout``), stored in the configured precision under the key of
@@ -29,6 +33,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,7 +44,7 @@ from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store import KVStore
 from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.vllm.messages import LoadOp, PieceOp, SaveOp
-from kvrag_integrations.vllm.paged import PagedLayout, write
+from kvrag_integrations.vllm.paged import PagedLayout
 from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _TOUCH_EVERY_S = 60.0  # how often a hot entry's use is recorded in the store
 _MAX_LATER = 4  # learned prompts copied out of the cache, waiting for the writer
+_READ_THREADS = 4  # entries of one load read at once (I/O and hashing release the GIL)
 
 
 def layer_index(name: str) -> int:
@@ -96,6 +102,7 @@ class WorkerSide:
         self.failed_blocks: set[int] = set()
         self.failed_loads: dict[str, int] = {}  # request -> where vLLM recomputes from
         self.scheduler_block_size = 0  # vLLM's cache config block size (the connector sets it)
+        self._readers: ThreadPoolExecutor | None = None  # entry reads, made at first need
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], attention: Mapping[str, Any]) -> None:
         """Note each layer's paged cache and attention layer (by decoder layer)."""
@@ -113,6 +120,12 @@ class WorkerSide:
         # Probed at first use: the backend sets up its layers after the caches exist.
         if self.paged is None:
             self.paged = PagedLayout.probe(self.layers[0], self.caches[0], self.layout.head_dim)
+            direct = self.paged.direct is not None and self.caches[0].is_contiguous()
+            logger.info(
+                "paged cache probed: blocks of %d tokens; loads write whole blocks %s",
+                self.paged.block_size,
+                "by strided copies" if direct else "with the backend's op",
+            )
         return self.paged
 
     def slots(self, block_ids: Sequence[int], lo: int, hi: int) -> torch.Tensor:
@@ -133,10 +146,8 @@ class WorkerSide:
         """
         ready: list[tuple[PieceOp, ChunkKV]] = []
         failed_at: int | None = None
-        read: dict[tuple[int, ...], ChunkKV | None] = {}  # pieces of one entry: one read
+        read = self._read_entries(op)
         for piece in op.pieces:
-            if piece.entry_ids not in read:
-                read[piece.entry_ids] = self._entry(piece, op.namespace)
             kv = read[piece.entry_ids]
             if kv is None:
                 failed_at = max(piece.start, op.lo)
@@ -158,6 +169,20 @@ class WorkerSide:
             first * size, self.failed_loads.get(op.request_id, op.hi)
         )
         return max(0, first * size - op.lo)
+
+    def _read_entries(self, op: LoadOp) -> dict[tuple[int, ...], ChunkKV | None]:
+        """Each entry of ``op``'s pieces, read and verified once (pieces of one entry
+        share it); on threads where the store waits on I/O (a disk or Redis read
+        of a 6k-token prompt's entries takes half the time on two)."""
+        pieces = list({piece.entry_ids: piece for piece in op.pieces}.values())
+        read = partial(self._entry, namespace=op.namespace)
+        if len(pieces) > 1 and self.store.parallel_reads:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(_READ_THREADS, "kvrag-read")
+            entries = list(self._readers.map(read, pieces))
+        else:
+            entries = [read(piece) for piece in pieces]
+        return {piece.entry_ids: kv for piece, kv in zip(pieces, entries)}
 
     def _fingerprint(self, namespace: str) -> str:
         return Tenant(namespace).fingerprint(self.fingerprint)
@@ -196,30 +221,51 @@ class WorkerSide:
             self.store.touch(key)
 
     def _write(self, op: LoadOp, ready: list[tuple[PieceOp, ChunkKV]], hi: int) -> None:
-        """Per layer: the rows of every piece in ``lo .. hi``, keys moved, one write."""
-        lo = op.lo
+        """Per layer: the rows of every piece in ``lo .. hi`` gathered token-major into
+        one buffer (cast from the stored form as they are copied), keys moved in
+        place, one write. The buffers are a layer's size, reused for every layer
+        (they stay in the CPU's cache), and no entry is copied whole first."""
+        lo, n = op.lo, hi - op.lo
+        lay = self.layout
+        cache_dtype = next(iter(self.caches.values())).dtype
         device = next(iter(self.caches.values())).device  # moved and rotated where vLLM runs
-        rows, deltas = [], []
-        moved: dict[int, ChunkKV] = {}  # an entry read once per op is moved once
+        spans = []  # (entry, its rows a..b, the buffer's row they start at)
+        deltas = []
+        sources: dict[int, ChunkKV] = {}  # an entry read once per op is moved once
         for piece, kv in ready:
             first, last = max(lo, piece.start) - piece.start, min(hi, piece.end) - piece.start
             if last > first:
-                # float32 while keys move (as the in-process engine's assembly does)
-                if id(kv) not in moved:
-                    moved[id(kv)] = kv.to(device, torch.float32)
+                if id(kv) not in sources:
+                    sources[id(kv)] = _readable(kv, device)
                 a, b = piece.offset + first, piece.offset + last  # the entry's rows
-                rows.append((moved[id(kv)], a, b))
+                spans.append((sources[id(kv)], a, b, piece.start + first - lo))
                 shift = piece.start - piece.offset  # entry row r lands at r + shift
                 deltas.append(torch.full((last - first,), shift, dtype=torch.long))
+        if sum(b - a for _, a, b, _ in spans) != n:
+            raise ValueError(f"the pieces do not cover positions {lo}..{hi} once each")
         delta = torch.cat(deltas)
         slots = self.slots(op.block_ids, lo, hi)
-        rotations = {kind: rot.rotation(delta, device) for kind, rot in self.layout.rotary.items()}
+        paged = self._paged()
+        # float32 while keys move (as the in-process engine's assembly does); values
+        # are only copied, straight into the cache's dtype
+        keys = torch.empty((n, lay.kv_heads, lay.head_dim), dtype=torch.float32, device=device)
+        values = torch.empty(keys.shape, dtype=cache_dtype, device=device)
+        rotations = {}
+        for kind, rot in lay.rotary.items():
+            # one per token and head, made once: the rotation then runs on tensors of
+            # one shape (a broadcast over heads in each op runs 2x slower)
+            shape = (n, lay.kv_heads, -1)
+            cos, sin = (
+                t.unsqueeze(1).expand(shape).contiguous() for t in rot.rotation(delta, device)
+            )
+            rotations[kind] = (cos, sin)
         for index, cache in self.caches.items():
-            keys = torch.cat([kv.keys[index, :, a:b] for kv, a, b in rows], dim=1)
-            values = torch.cat([kv.values[index, :, a:b] for kv, a, b in rows], dim=1)
-            cos, sin = rotations[self.layout.layer_types[index]]
-            keys = self.layout.rotary_of(index).rotate(keys, cos, sin, keys)
-            write(self.layers[index], cache, slots, keys.transpose(0, 1), values.transpose(0, 1))
+            for kv, a, b, row in spans:
+                keys[row : row + b - a].copy_(kv.keys[index, :, a:b].transpose(0, 1))
+                values[row : row + b - a].copy_(kv.values[index, :, a:b].transpose(0, 1))
+            cos, sin = rotations[lay.layer_types[index]]
+            lay.rotary_of(index).rotate(keys, cos, sin, keys)
+            paged.write(self.layers[index], cache, slots, keys, values)
 
     # ---------------------------------------------------------------- save
     def save(self, op: SaveOp) -> int:
@@ -300,6 +346,13 @@ class WorkerSide:
     def take_failed_loads(self) -> dict[str, int]:
         failed, self.failed_loads = self.failed_loads, {}
         return failed
+
+
+def _readable(kv: ChunkKV, device: torch.device) -> ChunkKV:
+    """The entry as a load gathers from it: on ``device``, float K/V (an int8 entry
+    dequantized once, to float32; a float one kept in its stored form, which the
+    gather casts as it copies)."""
+    return kv.to(device, torch.float32) if kv.is_quantized else kv.to(device)
 
 
 def _entry_bytes(kv: ChunkKV) -> int:

@@ -31,3 +31,19 @@ def test_the_vllm_suite_writes_json_table_and_renders(tmp_path: Path) -> None:
     readme.write_text(f"{report.START}\n{report.END}\n")
     report.main(["--results", str(tmp_path), "--docs", str(docs), "--readme", str(readme)])
     assert "## vLLM with the KV connector" in docs.read_text()
+
+
+def test_the_prefix_hit_part_measures_both_sends_of_each_prompt(tmp_path: Path) -> None:
+    args = ["--parts", "prefix-hit", "--lengths", "300,700", "--repeats", "1"]
+    main(["vllm", *args, "--out", str(tmp_path)])
+    assert not (tmp_path / "vllm.json").exists()  # some parts: never over the suite's file
+    part = json.loads((tmp_path / "vllm-prefix-hit.json").read_text())["prefix_hit"]
+    assert [row["length"] for row in part["rows"]] == [300, 700]
+    for row in part["rows"]:
+        # loaded by the connector: all but the question and template tail; the prefix
+        # hit: whole blocks of the same ids
+        store_cached, hit_cached = row["cached_tokens"]
+        assert row["prompt_tokens"] - 40 <= store_cached < row["prompt_tokens"]
+        assert hit_cached == (row["prompt_tokens"] - 1) // part["block_size"] * part["block_size"]
+        assert row["store_ms"] > 0 and row["prefix_hit_ms"] > 0 and row["ratio"] > 0
+    assert (tmp_path / "vllm-prefix-hit.md").read_text().startswith("| prompt (tokens) |")
