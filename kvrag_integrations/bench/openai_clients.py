@@ -219,7 +219,10 @@ def _summary(runs: dict[str, dict[str, Any]], n_chunks: int, per: int) -> dict[s
         for m, b in zip(ours["langchain"], plain["langchain"])
     ]
     probes, base_probes = ours["probes"], plain["probes"]
+    from kvrag_integrations.bench.vllm_serving import vllm_version
+
     return {
+        "vllm": vllm_version(),
         "questions_per_framework": per,
         "passages": n_chunks,
         "frameworks": frameworks,

@@ -75,6 +75,11 @@ SECTIONS = [
     ("memory", memory, "Stored cache size per dtype and store read throughput"),
     ("vllm", vllm_serving, "vLLM with the KV connector: reuse, TTFT, throughput, frameworks"),
     (
+        "vllm-prefix-hit",
+        vllm_serving,
+        "vLLM: a prompt loaded from the store against vLLM's own prefix hit",
+    ),
+    (
         "openai",
         openai_clients,
         "Plain OpenAI clients (ChatOpenAI, OpenAILike) against the server, and vLLM alone",

