@@ -57,8 +57,11 @@ def send(
     params: dict | None = None,
     max_new_tokens: int = 1,
 ) -> list:
-    """One request straight to the engine's vLLM (no engine logic): its events."""
+    """One request straight to the engine's vLLM (no engine logic): its events. Without
+    ``params`` it opts out of a server's detection of stored passages (an exact request)."""
     sampling = sampling_args(SamplingParams(max_new_tokens=max_new_tokens), engine.eos_token_ids)
+    if params is None:
+        params = {"kvrag": {"detect": False}}
     request = BackendRequest(ids, sampling, salt, params, TOP)
     return list(engine.backend.submit(request, threading.Event()))
 
