@@ -126,15 +126,15 @@ def run(args: argparse.Namespace) -> int:
         if store is None:
             engine.close()
     if store is None:
-        where = f"stored by {args.server}"
+        where = f"(stored by {args.server})"
     else:
         cached = sum(info.nbytes for info in store.entries() if info.key in keys)
-        where = f"{store.stats.writes} written, {human_bytes(cached)} cached"
+        where = f"({store.stats.writes} written), {human_bytes(cached)} cached"
     print(
         f"ingested {len(files)} files ({tally.new} new, {tally.changed} changed, "
         f"{tally.unchanged} unchanged, {tally.skipped} empty) into {args.collection!r}: "
         f"{tally.chunks} chunks, {tally.tokens} tokens, {len(keys)} caches "
-        f"({where}), {time.perf_counter() - started:.1f} s"
+        f"{where}, {time.perf_counter() - started:.1f} s"
     )
     return 0
 
