@@ -25,9 +25,9 @@ store entries teaches the server nothing (it reuses what writers stored).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -71,7 +71,6 @@ class ReuseHook:
         # prompts this server asked to store whole, until the index has them
         self._pending: dict[tuple[str, int], tuple[str, list[int], float]] = {}
         self._pending_index = ContentIndex()
-        self._ids = itertools.count()
 
     async def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
@@ -238,7 +237,8 @@ class ReuseHook:
             prompt["cache_salt"] = salt
         extra = {"kv_transfer_params": params.as_request()}
         sampling = self.sampling_params(max_tokens=1, extra_args=extra)
-        request_id = f"kvrag-learn-{next(self._ids)}"
+        # unique across the server's API processes (each has its own hook)
+        request_id = f"kvrag-learn-{uuid.uuid4().hex}"
         try:
             async for _ in self.generate_inner(prompt, sampling, request_id):
                 pass
