@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping
@@ -76,7 +77,7 @@ class ReuseHook:
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
         try:
-            await self.prepare(prompt, sampling_params, kwargs)
+            await self.prepare(prompt, sampling_params, kwargs, request_id)
         except Exception:  # never a crash here: the request then runs as plain vLLM
             logger.exception("request %s: reuse not planned; runs as plain vLLM", request_id)
         async for output in self.generate_inner(
@@ -85,12 +86,14 @@ class ReuseHook:
             yield output
 
     # ------------------------------------------------------------ planning
-    async def prepare(self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any]) -> None:
+    async def prepare(
+        self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any], request_id: str = ""
+    ) -> None:
         """Rewrite ``prompt``'s salt and ``sampling_params``' transfer params in place
         (nothing, where the request passes through)."""
         why, ids, params = self._eligible(prompt, sampling_params, kwargs)
         if why:
-            logger.debug("not planned: %s", why)
+            logger.debug("%s: runs as plain vLLM: %s", request_id, why)
             return
         assert ids is not None and params is not None
         try:
@@ -98,7 +101,7 @@ class ReuseHook:
                 params.tenant, params.grant, prompt.get("cache_salt"), False
             )
         except TransferParamsError as exc:
-            logger.debug("not planned: %s", exc)
+            logger.debug("%s: runs as plain vLLM: %s", request_id, exc)
             return
         may_learn = role != "read"
         fingerprint = tenant.fingerprint(self.detector.base_fingerprint)
@@ -114,7 +117,14 @@ class ReuseHook:
                 detection = self.detector.detect(fingerprint, ids, may_learn)
         if self._pending and await self._await_learning(fingerprint, ids, detection.load_end):
             detection = self.detector.detect(fingerprint, ids, may_learn)
-        logger.debug("detected %d of %d tokens: %s", detection.load_end, len(ids), detection.reason)
+        logger.debug(
+            "%s: %d of %d tokens from storage (%s)%s",
+            request_id,
+            detection.load_end,
+            len(ids),
+            detection.reason,
+            "; its prompt is learned" if detection.learn_prompt and not detection.load else "",
+        )
         for span in detection.learn:
             self._learn(span, tenant, params)
         if detection.load:
@@ -279,6 +289,7 @@ def install(engine_client: Any) -> ReuseHook | None:
     from kvrag_integrations.vllm.identity import connector_fingerprints
     from kvrag_integrations.vllm.trust import server_secret
 
+    _log_beside_vllm()
     config = engine_client.vllm_config
     transfer = config.kv_transfer_config
     if transfer is None or transfer.kv_connector != CONNECTOR_CLASS:
@@ -303,3 +314,15 @@ def install(engine_client: Any) -> ReuseHook | None:
     engine_client._kvrag_reuse_hook = hook
     logger.info("kvrag: finds stored passages in plain requests (%d entries indexed)", len(index))
     return hook
+
+
+def _log_beside_vllm() -> None:
+    """This package's log lines in the server's log, through vLLM's own handlers, at
+    ``$KVRAG_LOG_LEVEL`` (default INFO; DEBUG: why each request was or was not planned)."""
+    package = logging.getLogger("kvrag_integrations")
+    if package.handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        package.addHandler(handler)
+    package.setLevel(os.environ.get("KVRAG_LOG_LEVEL", "INFO").upper())
+    package.propagate = not package.handlers
