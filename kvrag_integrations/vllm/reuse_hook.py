@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping
@@ -322,7 +323,9 @@ def _log_beside_vllm() -> None:
     package = logging.getLogger("kvrag_integrations")
     if package.handlers:
         return
-    for handler in logging.getLogger("vllm").handlers:
-        package.addHandler(handler)
+    handler = logging.StreamHandler(sys.stdout)  # (vLLM's own filter at its level)
+    for theirs in logging.getLogger("vllm").handlers:
+        handler.setFormatter(theirs.formatter)
+    package.addHandler(handler)
     package.setLevel(os.environ.get("KVRAG_LOG_LEVEL", "INFO").upper())
-    package.propagate = not package.handlers
+    package.propagate = False
