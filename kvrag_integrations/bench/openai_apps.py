@@ -193,8 +193,6 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrag-bench-server-")
-        self._log: Any = None
-        self._seen: set[int] = set()
 
     def command(self) -> list[str]:
         from kvrag_integrations.vllm.launch import cpu_kv_cache_bytes, plain_server_command
@@ -213,19 +211,7 @@ class Server:
     def wait_learned(self, length: int, timeout: float = 60.0) -> float:
         """Seconds until the store's index holds an entry of ``length`` ids (a learned
         prompt is written after its answer); 0 for vLLM alone."""
-        if self.kind != "kvrag":
-            return 0.0
-        from kvrag_integrations.matching import open_index_log
-
-        if self._log is None:
-            self._log = open_index_log(self.store_url)
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            self._seen |= {len(ids) for _, ids in self._log.read_new()}
-            if length in self._seen:
-                return time.monotonic() - started
-            time.sleep(0.02)
-        raise RuntimeError(f"no entry of {length} ids was stored in {timeout} s")
+        return wait_indexed(self.store_url, length, timeout) if self.kind == "kvrag" else 0.0
 
     def __enter__(self) -> Server:
         from kvrag_integrations.vllm.launch import platform_env, wait_until_serving
@@ -246,6 +232,27 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._tmp.cleanup()
+
+
+def wait_indexed(store_url: str, length: int, timeout: float = 60.0) -> float:
+    """Seconds until the index log of the store ``store_url`` holds an entry of
+    ``length`` ids (a prompt the server learns is written after its answer).
+
+    Raises:
+        TimeoutError: none within ``timeout`` seconds.
+    """
+    from kvrag_integrations.matching import open_index_log
+
+    log = open_index_log(store_url)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < timeout:
+            if any(len(ids) == length for _, ids in log.read_new()):
+                return time.monotonic() - started
+            time.sleep(0.02)
+    finally:
+        log.close()
+    raise TimeoutError(f"no entry of {length} ids was indexed in {timeout} s")
 
 
 def _free_port() -> int:

@@ -99,9 +99,9 @@ class KVRAGConnector(KVConnectorBase_V1):
             budget = StoreBudget(self._backend, limit) if limit else None
             index_log = None
             if self.settings.detect and rank == 0:  # one rank announces each entry
-                from kvrag_integrations.matching import open_index_log
+                from kvrag_integrations.matching import index_log_for
 
-                index_log = open_index_log(self.settings.store)
+                index_log = index_log_for(self._backend)  # the store's own connection
             self._worker = WorkerSide(
                 store, self._fingerprints[rank], precision, layout, budget, index_log
             )

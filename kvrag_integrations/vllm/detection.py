@@ -76,7 +76,6 @@ class Detection:
             remainder after the load).
         glue: short text between found passages that no entry holds yet: encoded
             on its own (a step of a few tokens), the request is planned again.
-        found: prompt tokens found in stored entries (loaded or not).
         reason: why the load stops where it does (logged).
     """
 
@@ -84,7 +83,6 @@ class Detection:
     learn_prompt: bool = False
     learn: tuple[tuple[int, ...], ...] = ()
     glue: tuple[tuple[int, ...], ...] = ()
-    found: int = 0
     reason: str = ""
 
     @property
@@ -127,7 +125,6 @@ class Detector:
             reason = "no stored passage in the prompt"
             return Detection(learn_prompt=learn_prompt, reason=reason)
         pieces, glue, end, reason = self._run(fingerprint, prompt, runs)
-        found = sum(r.length for r in runs)
         unknown_glue = tuple(dict.fromkeys(glue))[:MAX_LEARN_PER_REQUEST] if may_learn else ()
         if end < self.min_share * len(prompt) and learn_prompt:
             # Little to reuse: computing it all costs about as much, and the whole
@@ -135,7 +132,6 @@ class Detector:
             return Detection(
                 learn_prompt=True,
                 glue=unknown_glue,
-                found=found,
                 reason=f"{reason}; only {end} of {len(prompt)} tokens reusable: computed "
                 "and stored whole",
             )
@@ -145,11 +141,11 @@ class Detector:
             span = tuple(prompt[end : end + self.max_entry_tokens])
             if not self._stored(fingerprint, span):
                 learn.append(span)
-        return Detection(tuple(pieces), False, tuple(learn), unknown_glue, found, reason)
+        return Detection(tuple(pieces), False, tuple(learn), unknown_glue, reason)
 
     def _stored_runs(self, fingerprint: str, prompt: list[int]) -> list[RunLike]:
         """The index's cover of ``prompt`` by runs whose context it holds
-        (``_context_held``), without entries the store has lost since they were
+        (``_ContextCheck``), without entries the store has lost since they were
         indexed (they are forgotten, and the cover is asked again)."""
         held = _ContextCheck(prompt)
         for _ in range(3):

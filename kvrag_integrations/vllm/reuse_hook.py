@@ -284,7 +284,7 @@ def install(engine_client: Any) -> ReuseHook | None:
     hook = getattr(engine_client, "_kvrag_reuse_hook", None)
     if hook is not None:
         return hook
-    from kvrag_integrations.matching import SyncedIndex, open_index_log
+    from kvrag_integrations.matching import SyncedIndex, index_log_for
     from kvrag_integrations.store import open_store
     from kvrag_integrations.vllm.config import CONNECTOR_CLASS, ConnectorSettings
     from kvrag_integrations.vllm.identity import connector_fingerprints
@@ -300,7 +300,7 @@ def install(engine_client: Any) -> ReuseHook | None:
         return None
     fingerprints = connector_fingerprints(config, settings.cache_precision)
     store = open_store(settings.store)
-    index = SyncedIndex(open_index_log(settings.store))
+    index = SyncedIndex(index_log_for(store))  # the store's own connection
     index.refresh()  # what replicas and earlier runs stored, before the first request
     detector = Detector(
         index,

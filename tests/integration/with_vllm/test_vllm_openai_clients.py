@@ -11,14 +11,12 @@ checked against vLLM's own computation of the same ids in this process
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 
 import pytest
 from vllm_helpers import Corpus, VLLMServer, exact_reference, max_logprob_gap, needs_vllm
 
-from kvrag_integrations.matching import open_index_log
 from kvrag_integrations.vllm.engine import VLLMEngine
 
 needs_vllm()
@@ -32,6 +30,7 @@ from kvrag_integrations.bench.openai_apps import (  # noqa: E402
     embeddings_for_llama_index,
     langchain_agent,
     llama_index_engine,
+    wait_indexed,
 )
 
 NEW_QUESTION = "Which people, places or works do these passages name?"
@@ -45,18 +44,6 @@ def lc_embed():  # type: ignore[no-untyped-def]
 
 def share(record: dict) -> float:
     return record["cached"] / record["prompt_tokens"]
-
-
-def wait_indexed(store_url: str, length: int, timeout: float = 30.0) -> None:
-    """Until the store's index log holds an entry of ``length`` ids (a learned prompt
-    is written after its answer, by the replica that computed it)."""
-    log = open_index_log(store_url)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(len(ids) == length for _, ids in log.read_new()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no entry of {length} ids was indexed")
 
 
 def test_langchain_agent_reuses_passages_learned_by_the_other_replica(
