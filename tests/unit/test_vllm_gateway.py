@@ -223,3 +223,22 @@ def test_anonymous_none_refuses_a_websocket_and_admits_lifespan(keys: Path) -> N
     assert sent == [{"type": "websocket.close", "code": 1008}] and not model.seen
     asyncio.run(door({"type": "lifespan"}, receive, send))
     assert len(model.seen) == 1
+
+
+def test_serve_names_the_risk_of_sharing_and_adds_both_middlewares(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvrag_integrations.vllm import launch, serve
+
+    # (the command only: no checkpoint is read in this tier)
+    monkeypatch.setattr(launch, "served_checkpoint", lambda model: (str(tmp_path), "tiny"))
+
+    with pytest.raises(SystemExit):
+        serve.main(["--help"])
+    assert "RISK" in " ".join(capsys.readouterr().out.split())
+    for share in (False, True):
+        args = ["--store", f"disk:{tmp_path}", "--print-command"]
+        serve.main(args + (["--share-anonymous-prompts"] if share else []))
+        command = capsys.readouterr().out
+        assert f'"share_anonymous":{str(share).lower()}' in command
+        assert "gateway.TenantGateway" in command and "startup.ReuseInstaller" in command

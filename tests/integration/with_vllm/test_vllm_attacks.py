@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import statistics
 import time
 import uuid
@@ -36,6 +37,7 @@ from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.engine.prompting.segments import cache_leading_text
 from kvrag_integrations.store import DiskKVStore
 from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.gateway import OPEN_ROUTES
 from kvrag_integrations.vllm.trust import Tenant, request_salt
 from kvrag_integrations.vllm.turbo import load_run
 
@@ -61,8 +63,8 @@ KEY_A = "sk-team-a"
 class Target:
     """The attacked server: its URL, its store, and an honest client of it."""
 
-    def __init__(self, url: str, store: Path) -> None:
-        self.url, self.store = url, store
+    def __init__(self, url: str, store: Path, keys: Path | None = None) -> None:
+        self.url, self.store, self.keys = url, store, keys
         self.http = httpx.Client(base_url=f"{url}/v1", timeout=300)
         self.honest = VLLMEngine.connect(url)
         self.model = self.honest.model_name
@@ -124,7 +126,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     extra += ["--max-entry-tokens", str(MAX_ENTRY)]
     server = VLLMServer(f"disk:{store}", workdir, free_port(), extra).wait()
     try:
-        target = Target(server.url, store)
+        target = Target(server.url, store, keys)
         with target.honest:
             yield target
     finally:
@@ -222,6 +224,36 @@ def honest_answer(target: Target, question: str, chunks: list[str]) -> dict[int,
 
 
 # ------------------------------------------------------------ store poisoning
+def test_every_route_of_the_running_server_needs_a_key_once_the_key_file_says_so(
+    target: Target,
+) -> None:
+    """The key file is read again when it changes: ``"anonymous": "none"`` guards every
+    route the running app lists but the open ones, and a key taken out of the file
+    stops counting at once."""
+    if target.keys is None:
+        pytest.skip("a server started by hand: its key file is not ours")
+    paths = httpx.get(f"{target.url}/openapi.json", timeout=60).json()["paths"]
+    routes = [(p, m.upper()) for p, ops in paths.items() for m in ops]
+    routes += [("/docs", "GET"), ("/redoc", "GET"), ("/openapi.json", "GET")]
+    assert ("/invocations", "POST") in routes and len(routes) > 20
+    original = target.keys.read_text()
+    try:
+        target.keys.write_text(json.dumps({**KEYS, "anonymous": "none"}))
+        for path, method in routes:
+            url = target.url + re.sub(r"\{[^}]*\}", "x", path)
+            status = httpx.request(method, url, json={}, timeout=60).status_code
+            assert (status == 401) == (path not in OPEN_ROUTES), (method, path, status)
+        target.post({"prompt": "Hello"}, KEY_A)  # a listed key passes (200)
+        kept = {k: v for k, v in KEYS["keys"].items() if k != KEY_A}
+        target.keys.write_text(json.dumps({**KEYS, "keys": kept, "anonymous": "none"}))
+        body = {"model": target.model, "prompt": "Hello", "max_tokens": 1}
+        headers = {"Authorization": f"Bearer {KEY_A}"}
+        assert target.http.post("/completions", json=body, headers=headers).status_code == 401
+    finally:
+        target.keys.write_text(original)
+    assert target.up()
+
+
 def test_no_request_stores_a_span_of_a_longer_prompt(
     target: Target, musique: Corpus, connect: Callable[..., VLLMEngine]
 ) -> None:
