@@ -155,12 +155,12 @@ def ask(url: str, model: str, context: str, salt: str | None = None) -> tuple[in
     return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"], took
 
 
-def probe(url: str, model: str, contexts: dict[str, str], salt: str | None = None) -> dict:
-    """Five probes of each guess, interleaved: cached tokens and median times."""
+def probe(url: str, model: str, contexts: dict[str, list[str]], salt: str | None = None) -> dict:
+    """Five probes of each kind of guess, interleaved: cached tokens and median times."""
     seen: dict[str, list[tuple[int, int, float]]] = {guess: [] for guess in contexts}
-    for _ in range(5):
-        for guess, context in contexts.items():
-            seen[guess].append(ask(url, model, context, salt))
+    for i in range(5):
+        for guess, texts in contexts.items():
+            seen[guess].append(ask(url, model, texts[i], salt))
     return {
         guess: {
             "cached": sorted({c for c, _, _ in runs}),
@@ -190,22 +190,25 @@ def test_at_the_defaults_no_caller_confirms_a_guess_of_anothers_text(
                 lines = [passages[0], SECRET_LINE.format(code=code), *passages[1:]]
                 return "\n\n".join(lines)
 
-            right, wrong = context("7 3 9 1 5 2"), context("4 8 0 6 2 7")
+            right = context("7 3 9 1 5 2")
+            # a new wrong guess each time (a repeated one would meet its own blocks)
+            guesses = {"right": [right] * 5, "wrong": [context(f"4 8 0 6 {i} 7") for i in range(5)]}
             ask(server.url, model, right)  # the victim, anonymous
             time.sleep(3)  # (what a learned prompt would take to land)
-            guesses = probe(server.url, model, {"right": right, "wrong": wrong})
-            assert guesses["right"]["cached"] == guesses["wrong"]["cached"], guesses
-            gap = abs(guesses["right"]["median_s"] - guesses["wrong"]["median_s"])
-            noise = max(g["spread_s"] for g in guesses.values())
-            assert gap <= noise, guesses
+            seen = probe(server.url, model, guesses)
+            assert seen["right"]["cached"] == seen["wrong"]["cached"], seen
+            gap = abs(seen["right"]["median_s"] - seen["wrong"]["median_s"])
+            noise = max(g["spread_s"] for g in seen.values())
+            assert gap <= noise, seen
             # the positive control: within one tenant (a salt) the guess shows
             ask(server.url, model, right, salt="tenant-v")
             time.sleep(3)
-            own = probe(server.url, model, {"right": right, "wrong": wrong}, "tenant-v")
+            guesses["wrong"] = [context(f"5 1 2 8 {i} 0") for i in range(5)]
+            own = probe(server.url, model, guesses, "tenant-v")
             assert min(own["right"]["cached"]) >= 0.85 * own["right"]["prompt"], own
             assert max(own["wrong"]["cached"]) < 0.5 * own["wrong"]["prompt"], own
             assert own["right"]["median_s"] < own["wrong"]["median_s"], own
-            print({"anonymous": guesses, "own tenant": own})
+            print({"anonymous": seen, "own tenant": own})
             # what a writer ingests is shared: found on an anonymous first request
             ingested = musique.chunks(56, 4, tag="oracle-ingest")
             writer.encode_chunks(ingested, show_progress=False)
