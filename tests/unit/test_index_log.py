@@ -273,6 +273,7 @@ def _append_records(root: str, worker: int, count: int) -> None:
     log = DiskIndexLog(root)
     for i in range(count):
         log.append(f"w{worker}", ids(worker * 100_000 + i, 20))
+        log.append("gone", ids(worker * 100_000 + i, 20))  # each compaction drops some
     log.close()
 
 
