@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 
-from kvrag_integrations.store.budget import FALLBACK_BYTES, HOST_FRACTION, MIN_BYTES
+from kvrag_integrations.store.budget import FALLBACK_BYTES, HOST_FRACTION
 from kvrag_integrations.store.disk import DiskKVStore
 from kvrag_integrations.store.memory import MemoryKVStore
 from kvrag_integrations.store.redis import RedisKVStore
@@ -36,7 +36,7 @@ def store_budget(store: object) -> tuple[int, str]:
       ``total_system_memory``); ``FALLBACK_BYTES`` if neither can be read;
     - a memory store: its own bound; a tiered store: its backend's.
 
-    Never less than ``MIN_BYTES``.
+    No floor: a budget past what the store can give would fail its writes.
     """
     if isinstance(store, TieredKVStore):
         return store_budget(store.backend)
@@ -48,9 +48,7 @@ def store_budget(store: object) -> tuple[int, str]:
         nbytes, why = store.max_bytes, "the memory store's own bound"
     else:
         nbytes, why = FALLBACK_BYTES, f"a fixed default (a {type(store).__name__} cannot tell)"
-    if nbytes < MIN_BYTES:
-        return MIN_BYTES, f"{why}, raised to the minimum"
-    return nbytes, why
+    return max(1, nbytes), why
 
 
 def _disk_budget(store: DiskKVStore) -> tuple[int, str]:
