@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--max-store-bytes",
-        type=parse_store_bytes,
+        type=_budget_arg,
         default=AUTO_BUDGET,
         help="the store's budget in bytes, the content index's log included (default "
         "auto: half of the disk's free space plus what the store holds, or 80%% of "
@@ -142,6 +142,13 @@ def main(argv: list[str] | None = None) -> None:
         print(shlex.join(command))
         return
     os.execvpe(command[0], command, env)
+
+
+def _budget_arg(text: str) -> int | str:
+    try:
+        return parse_store_bytes(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def namespace_quotas(keys: KeyFile) -> dict[str, int]:

@@ -20,6 +20,7 @@ from kvrag_integrations.store.quotas import Quotas, namespace_of
 from kvrag_integrations.store.sizing import DISK_FRACTION, store_budget
 from kvrag_integrations.vllm.config import ConnectorSettings, parse_store_bytes
 from kvrag_integrations.vllm.gateway import KeyFile
+from kvrag_integrations.vllm.serve import main as serve_main
 from kvrag_integrations.vllm.serve import namespace_quotas
 from kvrag_integrations.vllm.trust import Tenant
 
@@ -134,6 +135,17 @@ def test_no_budget_means_auto_and_unbounded_must_be_named(tmp_path: Path) -> Non
         with pytest.raises(ValueError):
             parse_store_bytes(bad)
     assert parse_store_bytes("64000000") == 64_000_000
+
+
+def test_serve_refuses_a_zero_budget_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["--store", "disk:/tmp/kv", "--print-command"]
+    with pytest.raises(SystemExit):
+        serve_main([*base, "--max-store-bytes", "0"])
+    assert "no longer means no budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_main([*base, "--namespace-share", "1.5"])
 
 
 def test_auto_budget_of_a_disk_store_is_half_of_what_its_disk_could_give(

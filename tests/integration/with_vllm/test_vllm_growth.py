@@ -75,7 +75,7 @@ def test_a_flood_of_learned_prompts_stays_within_the_default_budget(
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps(KEYS))
     extra = ["--tenant-keys", str(keys), "--learn-min-tokens", "32"]  # no --max-store-bytes
-    server = VLLMServer(redis_48mb.url, tmp_path, free_port(), extra).wait()
+    server = VLLMServer(redis_48mb.url, tmp_path, free_port(), extra).wait(600)
     store = RedisKVStore(redis_48mb.url)
     log = RedisIndexLog(store.client, store.prefix)
     try:
