@@ -130,9 +130,17 @@ class KVRAGConnector(KVConnectorBase_V1):
         if limit == NO_BUDGET:
             logger.warning("KVRAGConnector: the store has no budget (max_store_bytes none)")
             return None
+        why = "given"
         if limit == AUTO_BUDGET:
             limit, why = store_budget(self._backend)
-            logger.info("KVRAGConnector: store budget %d bytes (%s)", limit, why)
+        logger.info(
+            "KVRAGConnector: store budget %d bytes (%s); each namespace at most %.0f%% "
+            "of it, %d key namespaces with their own quota",
+            limit,
+            why,
+            100 * settings.namespace_share,
+            sum(1 for quota in settings.namespace_quotas.values() if quota),
+        )
         quotas = Quotas(settings.namespace_share, dict(settings.namespace_quotas))
         return StoreBudget(
             self._backend, int(limit), quotas=quotas, index_log=index_log_for(self._backend)
