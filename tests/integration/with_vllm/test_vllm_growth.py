@@ -40,7 +40,7 @@ KEYS = {
         "sk-keep": {"namespace": "keep", "role": "write"},
         "sk-flood": {"namespace": "flood", "role": "write"},
     },
-    "anonymous": "none",
+    "anonymous": "read",  # (the readiness probe has no key)
 }
 
 
