@@ -5,7 +5,7 @@ One server (``python -m kvrag_integrations.vllm.serve``) on a Redis of 48 MB
 hide an overflow), with no ``--max-store-bytes``: the server sizes its budget
 from ``maxmemory`` and says so at start. Tenant ``keep`` ingests passages;
 tenant ``flood`` then sends 200 distinct prompts over the learn threshold,
-each learned as an entry of ~1 MB (several times the budget in all). The store
+each learned as an entry of ~1.9 MB (several times the budget in all). The store
 (entries and the content index's log) never passes the budget, the flood stays
 within its namespace's quota, and ``keep``'s entries survive.
 """
