@@ -101,6 +101,23 @@ class ContentIndex:
         held = sum(a.view.nbytes for a in arrays)
         return held + self._grams.nbytes + self._heads.nbytes
 
+    def cost(self, length: int) -> int:
+        """About the bytes an entry of ``length`` ids takes here: its ids, its row of
+        the entry table, its k-gram rows (key, entry, offset) and their share of
+        the tables' directories."""
+        return 4 * length + 20 * (length // self.k + 2) + 17
+
+    @property
+    def live_nbytes(self) -> int:
+        """About the bytes the live entries take (``cost`` of each): removed
+        entries do not count, though their rows stay until ``compact``."""
+        tokens = len(self._tokens) - self._dead_tokens
+        return 4 * tokens + 20 * (tokens // self.k + 2 * self._live) + 17 * self._live
+
+    def clear(self) -> None:
+        """Forget every entry (and namespace)."""
+        self._clear()
+
     def add(self, namespace: str, ids: Sequence[int] | np.ndarray) -> bool:
         """Index ``ids`` under ``namespace``; False if that sequence is there already.
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvrag_integrations.store.base import EntryInfo, KVStore
+from kvrag_integrations.store.quotas import Quotas, select_for_budget
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -179,15 +184,29 @@ def prune(store: KVStore, *, dry_run: bool = False, **criteria: float | str | No
 
 
 class StoreBudget:
-    """Keeps a store within ``max_bytes`` as entries are written to it.
+    """Keeps a store within ``max_bytes`` as entries are written to it, and each
+    group of namespaces within its quota (``store.quotas``).
 
-    Before a write that would take the store past its budget, the least
-    recently used entries (``EntryInfo.updated_at``: ``touch`` marks a use) are
-    evicted until the store holds at most ``low_water`` of the budget with the
-    new entry. The store's size is measured then and counted forward from each
-    write in between, so a write costs no listing until the budget is near.
-    Writers in other processes are seen at the next measurement: the budget
-    holds per writer, and across writers up to what they write in between.
+    Before a write that would take its namespace's group past its quota, or the
+    store past its budget, entries are evicted (``quotas.select_for_budget``:
+    the group's own least recently used ones, then those of whichever group
+    holds the most) until the store holds at most ``low_water`` of the budget
+    with the new entry. ``EntryInfo.updated_at`` orders use (``touch`` marks
+    one). The store's size counts its entries, live writers' temp files and the
+    content index's log (``index_log``), which is compacted after each eviction
+    (the records of evicted entries go). The sizes are measured then and counted
+    forward from each write in between, so a write costs no listing until a
+    bound is near. Writers in other processes are seen at the next measurement:
+    the budget holds per writer, and across writers up to what they write in
+    between.
+
+    Args:
+        store: the store to keep in bounds.
+        max_bytes: its budget (``budget.store_budget`` sizes one from the store).
+        low_water: the share of a bound an eviction frees down to.
+        quotas: the namespaces' quotas (default: none but the budget; a server's
+            connector gives each group a share).
+        index_log: the content index's log beside the store (``matching``), or None.
 
     Examples:
         >>> from kvrag_integrations.store.memory import MemoryKVStore
@@ -195,34 +214,92 @@ class StoreBudget:
         False
     """
 
-    def __init__(self, store: KVStore, max_bytes: int, low_water: float = 0.8) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        max_bytes: int,
+        low_water: float = 0.8,
+        *,
+        quotas: Quotas | None = None,
+        index_log: Any = None,
+    ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.store = store
         self.max_bytes = max_bytes
         self.low_water = low_water
+        self.quotas = quotas if quotas is not None else Quotas(share=1.0)
+        self.index_log = index_log
         self.evicted = 0
         self._known: int | None = None
+        self._groups: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def admit(self, nbytes: int) -> bool:
-        """Make room for a write of ``nbytes``; False if it could never fit."""
-        if nbytes > self.max_bytes:
+    def admit(self, nbytes: int, fingerprint: str | None = "") -> bool:
+        """Make room for a write of ``nbytes`` by the entry of ``fingerprint`` (its
+        namespace's group is charged); False if it could never fit."""
+        group = self.quotas.group(fingerprint)
+        limit = self.quotas.limit(group, self.max_bytes)
+        if nbytes > limit:
             return False
         with self._lock:
-            if self._known is None or self._known + nbytes > self.max_bytes:
-                self._known = self._size()
-                if self._known + nbytes > self.max_bytes:
-                    target = max(0, int(self.max_bytes * self.low_water) - nbytes)
-                    evicted = prune(self.store, max_bytes=target)
-                    self.evicted += len(evicted)
-                    # what prune removed, not a third listing of the store
-                    freed = sum(e.nbytes for e in evicted) + evicted.temp_bytes_reclaimed
-                    self._known = max(0, self._known - freed)
+            near = self._known is None or self._known + nbytes > self.max_bytes
+            if near or self._groups.get(group, 0) + nbytes > limit:
+                self._make_room(group, nbytes)
+            assert self._known is not None
             self._known += nbytes
+            self._groups[group] = self._groups.get(group, 0) + nbytes
             return True
 
-    def _size(self) -> int:
-        return sum(i.nbytes for i in self.store.entries()) + sum(
-            t.nbytes for t in self.store.temp_files()
+    def _make_room(self, group: str, nbytes: int) -> None:
+        """Measure the store; evict what the bounds need (and compact the index log)."""
+        live = self.store.temp_files()
+        entries = list(self.store.entries())
+        reserved = sum(t.nbytes for t in live) + self._log_bytes()
+        chosen = select_for_budget(
+            entries,
+            self.quotas,
+            self.max_bytes,
+            writing=group,
+            nbytes=nbytes,
+            reserved_bytes=reserved,
+            low_water=self.low_water,
         )
+        for info in chosen:
+            self.store.delete(info.key)
+        self.evicted += len(chosen)
+        gone = {info.key for info in chosen}
+        kept = [info for info in entries if info.key not in gone]
+        if chosen and self.index_log is not None:
+            self._compact_log({info.key for info in kept})
+            reserved = sum(t.nbytes for t in live) + self._log_bytes()
+        self._known = reserved + sum(info.nbytes for info in kept)
+        self._groups = {}
+        for info in kept:
+            name = self.quotas.group(info.fingerprint)
+            self._groups[name] = self._groups.get(name, 0) + info.nbytes
+
+    def _log_bytes(self) -> int:
+        if self.index_log is None:
+            return 0
+        try:
+            return int(self.index_log.nbytes())
+        except Exception:  # an unreachable log: its entries' budget still holds
+            return 0
+
+    def _compact_log(self, live_keys: set[str]) -> None:
+        """Drop the index log's records of entries no longer stored (an entry written
+        since the listing is asked for by key)."""
+        from kvrag_integrations.chunk_kv import cache_key
+
+        def live(namespace: str, ids: Any) -> bool:
+            key = cache_key(namespace, ids.tolist())
+            return key in live_keys or self.store.contains(key)
+
+        try:
+            kept, dropped = self.index_log.compact(live)
+        except Exception as exc:  # the entries are evicted all the same
+            logger.warning("index log not compacted: %s", exc)
+            return
+        if dropped:
+            logger.info("index log compacted: %d records kept, %d dropped", kept, dropped)

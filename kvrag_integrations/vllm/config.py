@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvrag_integrations.chunk_kv import check_precision
@@ -32,6 +32,40 @@ DEFAULT_MAX_ENTRY_TOKENS = 4096
 # The shortest prompt the OpenAI server stores whole so that its passages are found
 # in later requests (``detection``): shorter ones are rarely a retrieval prompt.
 DEFAULT_LEARN_MIN_TOKENS = 256
+# The store's budget when none is given: sized from the store (``store.sizing``).
+AUTO_BUDGET = "auto"
+# What says "no budget": named, so that no default and no 0 means unbounded.
+NO_BUDGET = "none"
+# The share of the budget each group of namespaces may hold unless its keys say
+# otherwise (``store.quotas``).
+DEFAULT_NAMESPACE_SHARE = 0.5
+
+
+def parse_store_bytes(value: Any) -> int | str:
+    """A store budget as the settings take it: bytes > 0, ``"auto"`` or ``"none"``
+    (from an int, or a string such as ``"64000000"``, ``"auto"``, ``"none"``).
+
+    Raises:
+        ValueError: anything else, 0 included (it once meant "no budget": say ``none``).
+
+    Examples:
+        >>> parse_store_bytes("1000"), parse_store_bytes("auto"), parse_store_bytes(NO_BUDGET)
+        (1000, 'auto', 'none')
+    """
+    if isinstance(value, str) and value.strip().lower() in (AUTO_BUDGET, NO_BUDGET):
+        return value.strip().lower()
+    try:
+        number = int(value) if not isinstance(value, (bool, float)) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < 0:
+        raise ValueError(f"max_store_bytes is bytes > 0, 'auto' or 'none', got {value!r}")
+    if number == 0:
+        raise ValueError(
+            "max_store_bytes 0 no longer means no budget: give bytes, 'auto' (sized from "
+            "the store, the default) or 'none' (unbounded)"
+        )
+    return number
 
 
 @dataclass(frozen=True)
@@ -52,8 +86,16 @@ class ConnectorSettings:
         client_role: what a request without an API key's grant may do:
             ``"write"`` (reuse, and store prompts as their own entries: chunk
             encoding), ``"read"`` (reuse only) or ``"admin"`` (also overwrite).
-        max_store_bytes: the store's budget (0: none): least recently used
-            entries are evicted to make room for a new one.
+        max_store_bytes: the store's budget in bytes: least recently used
+            entries are evicted to make room for a new one (the content index's
+            log counts, and is compacted). ``"auto"`` (the default): sized from
+            the store at start (``store.sizing.store_budget``); ``"none"``:
+            unbounded (only where something else bounds the store).
+        namespace_share: the share of the budget each group of namespaces may
+            hold (the shared one, each key's, all client salts' together).
+        namespace_quotas: key namespaces (ids: ``Tenant.namespace``) with their
+            own quota in bytes (0: ``namespace_share``), from the key file's
+            ``quota_bytes``.
         max_entry_tokens: the longest prompt a request may store as an entry.
         detect: the OpenAI server finds stored passages in plain clients' requests
             (``reuse_hook``), and the workers index what they store for it.
@@ -73,7 +115,9 @@ class ConnectorSettings:
     memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES
     trusted_clients: bool = False
     client_role: str = "write"
-    max_store_bytes: int = 0
+    max_store_bytes: int | str = AUTO_BUDGET
+    namespace_share: float = DEFAULT_NAMESPACE_SHARE
+    namespace_quotas: dict[str, int] = field(default_factory=dict)
     max_entry_tokens: int = DEFAULT_MAX_ENTRY_TOKENS
     detect: bool = True
     learn_min_tokens: int = DEFAULT_LEARN_MIN_TOKENS
@@ -88,7 +132,15 @@ class ConnectorSettings:
                 "processes: use disk:DIR or redis://host:port/db, not memory"
             )
         check_precision(self.cache_precision)
-        counts = ("memory_tier_bytes", "max_store_bytes", "max_entry_tokens", "learn_min_tokens")
+        object.__setattr__(self, "max_store_bytes", parse_store_bytes(self.max_store_bytes))
+        if not isinstance(self.namespace_share, (int, float)) or not 0 < self.namespace_share <= 1:
+            raise ValueError(f"namespace_share is in (0, 1], got {self.namespace_share!r}")
+        for name, quota in dict(self.namespace_quotas).items():
+            if not isinstance(name, str) or isinstance(quota, bool) or not isinstance(quota, int):
+                raise ValueError("namespace_quotas maps namespace ids to bytes")
+            if quota < 0:
+                raise ValueError(f"the quota of namespace {name!r} must be >= 0")
+        counts = ("memory_tier_bytes", "max_entry_tokens", "learn_min_tokens")
         for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -27,7 +27,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvrag_integrations.store import KVStore, TieredKVStore, open_store
 from kvrag_integrations.store.maintenance import StoreBudget
-from kvrag_integrations.vllm.config import LOAD_FAILURE_POLICY, ConnectorSettings
+from kvrag_integrations.store.quotas import Quotas
+from kvrag_integrations.store.sizing import store_budget
+from kvrag_integrations.vllm.config import (
+    AUTO_BUDGET,
+    LOAD_FAILURE_POLICY,
+    NO_BUDGET,
+    ConnectorSettings,
+)
 from kvrag_integrations.vllm.identity import connector_fingerprints, model_folder, rank_layout
 from kvrag_integrations.vllm.messages import KVRAGConnectorMetadata, KVRAGWorkerMetadata
 from kvrag_integrations.vllm.scheduler_side import SchedulerSide
@@ -90,8 +97,7 @@ class KVRAGConnector(KVConnectorBase_V1):
             layout = rank_layout(model_folder(model.model, model.revision), tp_size)
             tier = self.settings.memory_tier_bytes
             store = TieredKVStore(self._backend, max_bytes=tier) if tier else self._backend
-            limit = self.settings.max_store_bytes
-            budget = StoreBudget(self._backend, limit) if limit else None
+            budget = self._budget()
             index_log = None
             if self.settings.detect and rank == 0:  # one rank announces each entry
                 from kvrag_integrations.matching import index_log_for
@@ -107,6 +113,32 @@ class KVRAGConnector(KVConnectorBase_V1):
             type(self._backend).__name__,
             precision,
             self._fingerprints[0][:12],
+        )
+
+    def _budget(self) -> StoreBudget | None:
+        """The store's budget (sized from the store where ``"auto"``), its namespaces'
+        quotas, and the index log it counts and compacts."""
+        from kvrag_integrations.matching import index_log_for
+
+        settings = self.settings
+        limit = settings.max_store_bytes
+        if limit == NO_BUDGET:
+            logger.warning("KVRAGConnector: the store has no budget (max_store_bytes none)")
+            return None
+        why = "given"
+        if limit == AUTO_BUDGET:
+            limit, why = store_budget(self._backend)
+        logger.info(
+            "KVRAGConnector: store budget %d bytes (%s); each namespace at most %.0f%% "
+            "of it, %d key namespaces with their own quota",
+            limit,
+            why,
+            100 * settings.namespace_share,
+            sum(1 for quota in settings.namespace_quotas.values() if quota),
+        )
+        quotas = Quotas(settings.namespace_share, dict(settings.namespace_quotas))
+        return StoreBudget(
+            self._backend, int(limit), quotas=quotas, index_log=index_log_for(self._backend)
         )
 
     # ============================================================ scheduler side

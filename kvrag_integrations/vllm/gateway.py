@@ -36,7 +36,9 @@ The key file (JSON)::
               "sk-ops": {"namespace": "", "role": "admin"}},
      "anonymous": "read"}
 
-``namespace`` "" is the shared one; ``anonymous``: the role of callers without
+``namespace`` "" is the shared one; a key may add ``"quota_bytes": N``, the
+most its namespace may hold in the store (the largest of its keys'; default: a
+share of the budget, ``serve --namespace-share``); ``anonymous``: the role of callers without
 a listed key (``"none"``: they are refused); it is passed to the connector as
 its ``client_role``.
 """
@@ -47,7 +49,7 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,8 @@ class KeyFile:
 
     keys: Mapping[str, Grant]
     anonymous: str  # a role, or "none"
+    # namespace -> its store quota in bytes: the largest ``quota_bytes`` of its keys
+    quotas: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> KeyFile:
@@ -96,7 +100,7 @@ class KeyFile:
         raw = json.loads(Path(path).read_text())
         if not isinstance(raw, dict) or not isinstance(raw.get("keys"), dict):
             raise ValueError(f"{path}: expected {{'keys': {{KEY: {{namespace, role}}}}, ...}}")
-        keys = {}
+        keys, quotas = {}, {}
         for key, entry in raw["keys"].items():
             if not isinstance(entry, dict) or entry.get("role", "write") not in ROLES:
                 raise ValueError(f"{path}: each key has a namespace and a role of {ROLES}")
@@ -104,10 +108,15 @@ class KeyFile:
             if not isinstance(namespace, str):
                 raise ValueError(f"{path}: a namespace is a string")
             keys[str(key)] = Grant(namespace, entry.get("role", "write"))
+            quota = entry.get("quota_bytes")
+            if quota is not None:
+                if isinstance(quota, bool) or not isinstance(quota, int) or quota <= 0:
+                    raise ValueError(f"{path}: quota_bytes is a number of bytes > 0")
+                quotas[namespace] = max(quota, quotas.get(namespace, 0))
         anonymous = raw.get("anonymous", "write")
         if anonymous not in (*ROLES, "none"):
             raise ValueError(f"{path}: anonymous is one of {(*ROLES, 'none')}")
-        return cls(keys, anonymous)
+        return cls(keys, anonymous, quotas)
 
 
 class KeyRing:

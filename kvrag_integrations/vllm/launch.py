@@ -131,7 +131,7 @@ def start_local(
     cache_precision: str = "float16",
     dtype: str | None = None,
     memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES,
-    max_store_bytes: int = 0,
+    max_store_bytes: int | str = "auto",
     **vllm_args: Any,
 ) -> tuple[Backend, Any, list[int]]:
     """Start vLLM in this process with the connector: its backend, the model's
@@ -149,7 +149,8 @@ def start_local(
         dtype: vLLM's compute dtype (default: float32 on a CPU, the checkpoint's
             own on CUDA; as ``python -m kvrag_integrations.vllm.serve``).
         memory_tier_bytes: the worker's in-memory tier in front of ``store``.
-        max_store_bytes: the store's budget (0: none; see ``ConnectorSettings``).
+        max_store_bytes: the store's budget: bytes, ``"auto"`` (sized from the
+            store) or ``"none"`` (see ``ConnectorSettings``).
         **vllm_args: more of vLLM's engine arguments (``max_model_len``,
             ``tensor_parallel_size``, ``kv_cache_memory_bytes``, ...).
 
@@ -272,7 +273,7 @@ def store_url(store: str | KVStore) -> str:
 
 
 def _transfer(
-    store: str | KVStore | None, precision: str, tier: int, max_store_bytes: int
+    store: str | KVStore | None, precision: str, tier: int, max_store_bytes: int | str
 ) -> dict[str, Any]:
     if store is None:
         folder = tempfile.mkdtemp(prefix="kvrag-vllm-")

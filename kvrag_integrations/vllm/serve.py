@@ -20,7 +20,10 @@ admits a request only under the salt of its tenant and layout, lets it store
 only its whole prompt as one entry, and overwrite nothing. The operator's
 settings: ``--tenant-keys FILE`` (API keys mapped to tenants and roles:
 ``gateway``), ``--client-role`` (what callers without such a key may do),
-``--max-store-bytes`` (the store's budget), ``--max-entry-tokens``.
+``--max-store-bytes`` (the store's budget: sized from the store where not
+given, and said at start; ``none`` for no budget), ``--namespace-share`` (what
+each namespace may hold of it; a key's ``quota_bytes`` in the key file),
+``--max-entry-tokens``.
 
 Plain OpenAI clients get reuse too (``reuse_hook``): the server finds stored
 passages in their chat and completion requests, and learns prompts of at least
@@ -46,13 +49,16 @@ from pathlib import Path
 
 from kvrag_integrations.chunk_kv import PRECISIONS
 from kvrag_integrations.vllm.config import (
+    AUTO_BUDGET,
     DEFAULT_LEARN_MIN_TOKENS,
     DEFAULT_MAX_ENTRY_TOKENS,
     DEFAULT_MEMORY_TIER_BYTES,
+    DEFAULT_NAMESPACE_SHARE,
+    parse_store_bytes,
 )
 from kvrag_integrations.vllm.gateway import KEYS_ENV, KeyFile
 from kvrag_integrations.vllm.launch import platform_env, server_command
-from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV
+from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV, Tenant
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,7 +82,19 @@ def main(argv: list[str] | None = None) -> None:
         help="what callers without a tenant key may do (default: write = encode chunks)",
     )
     parser.add_argument(
-        "--max-store-bytes", type=int, default=0, help="the store's budget (0: none)"
+        "--max-store-bytes",
+        type=_budget_arg,
+        default=AUTO_BUDGET,
+        help="the store's budget in bytes, the content index's log included (default "
+        "auto: half of the disk's free space plus what the store holds, or 80%% of "
+        "redis maxmemory; 'none': unbounded)",
+    )
+    parser.add_argument(
+        "--namespace-share",
+        type=float,
+        default=DEFAULT_NAMESPACE_SHARE,
+        help="the share of the budget each namespace may hold: the shared one, each "
+        "key's (unless its quota_bytes says), all client salts' together (default 0.5)",
     )
     parser.add_argument("--max-entry-tokens", type=int, default=DEFAULT_MAX_ENTRY_TOKENS)
     parser.add_argument(
@@ -107,12 +125,19 @@ def main(argv: list[str] | None = None) -> None:
     env = {**platform_env(), **os.environ}
     env.setdefault(SECRET_ENV, secrets.token_hex(32))
     role = args.client_role
+    quotas: dict[str, int] = {}
     if args.tenant_keys is not None:
         if "--api-key" in rest:
             parser.error("with --tenant-keys, list every key in the key file, not --api-key")
         keys = KeyFile.load(args.tenant_keys)  # checked before vLLM starts
         env[KEYS_ENV] = str(Path(args.tenant_keys).resolve())
         role = "read" if keys.anonymous == "none" else keys.anonymous
+        quotas = namespace_quotas(keys)
+    if not 0 < args.namespace_share <= 1:
+        parser.error("--namespace-share is in (0, 1]")
+    budget = args.max_store_bytes
+    if budget == AUTO_BUDGET and not args.print_command:
+        budget = _size_budget(args.store)
     command = server_command(
         args.model,
         args.store,
@@ -123,13 +148,51 @@ def main(argv: list[str] | None = None) -> None:
         cache_precision=args.cache_precision,
         memory_tier_bytes=args.memory_tier_bytes,
         client_role=role,
-        max_store_bytes=args.max_store_bytes,
+        max_store_bytes=budget,
+        namespace_share=args.namespace_share,
+        namespace_quotas=quotas,
         max_entry_tokens=args.max_entry_tokens,
     )
     if args.print_command:
         print(shlex.join(command))
         return
     os.execvpe(command[0], command, env)
+
+
+def _budget_arg(text: str) -> int | str:
+    try:
+        return parse_store_bytes(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def namespace_quotas(keys: KeyFile) -> dict[str, int]:
+    """The connector's ``namespace_quotas``: every key namespace (by its id: the
+    digest its entries are keyed by) with its keys' quota (0: the default share)."""
+    secret = b"ids-do-not-depend-on-it"  # a namespace's id is not keyed by the secret
+    quotas = {}
+    for grant in keys.keys.values():
+        name = grant.namespace
+        tenant_id = Tenant.of_key_namespace(name, secret).namespace if name else ""
+        quotas[tenant_id] = keys.quotas.get(name, 0)
+    return quotas
+
+
+def _size_budget(store: str) -> int | str:
+    """The budget ``auto`` gives ``store`` now, said at start (``"auto"`` where the
+    store cannot be opened here: each writer then sizes it when it opens it)."""
+    import sys
+
+    from kvrag_integrations.store import open_store
+    from kvrag_integrations.store.sizing import store_budget
+
+    try:
+        nbytes, why = store_budget(open_store(store))
+    except Exception as exc:
+        print(f"kvrag: store budget sized by the server later ({exc})", file=sys.stderr)
+        return AUTO_BUDGET
+    print(f"kvrag: store budget {nbytes} bytes: {why}", file=sys.stderr)
+    return nbytes
 
 
 if __name__ == "__main__":

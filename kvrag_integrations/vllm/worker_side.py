@@ -18,9 +18,9 @@ it were valid.
 
 Saving (after the step's forward): the piece's K/V are read back out of the
 blocks (``PagedLayout``), stored in the configured precision under the key of
-its ids, in the request's tenant's namespace. A write the store's budget
-cannot hold (``StoreBudget``: least recently used entries are evicted first)
-is skipped. A failed write is logged; the piece is then a miss for later
+its ids, in the request's tenant's namespace. A write the store's budget or
+its namespace's quota cannot hold (``StoreBudget``: least recently used
+entries are evicted first) is skipped. A failed write is logged; the piece is then a miss for later
 requests. A stored entry is announced in the content index's log, where the
 OpenAI server's detection (``detection``) finds it.
 """
@@ -310,8 +310,11 @@ class WorkerSide:
         try:
             kv = kv.stored_as(self.precision)
             with self._lock:  # the budget's accounting: one writer at a time
-                if self.budget is not None and not self.budget.admit(_entry_bytes(kv)):
-                    logger.warning("request %s: entry larger than the store", request_id)
+                admitted = self.budget is None or self.budget.admit(
+                    _entry_bytes(kv), kv.fingerprint
+                )
+                if not admitted:
+                    logger.warning("request %s: entry larger than its quota", request_id)
                     return 0
                 self.store.put(kv)
         except StoreWriteError as exc:

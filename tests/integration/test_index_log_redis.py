@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import numpy as np
 import pytest
 import redis
@@ -80,3 +82,67 @@ def test_a_dead_server_does_not_fail_cover(tmp_path_factory: pytest.TempPathFact
     assert len(synced.cover("m", ids(4, 50))) == 1  # served from memory
     assert synced.add("m", ids(5, 50))  # indexed locally only
     store.close()
+
+
+def _append_records(url: str, prefix: str, worker: int, count: int) -> None:
+    client = redis.Redis.from_url(url)
+    log = RedisIndexLog(client, prefix)
+    for i in range(count):
+        log.append(f"w{worker}", ids(worker * 100_000 + i, 20))
+        log.append("gone", ids(worker * 100_000 + i, 20))  # each compaction drops some
+    client.close()
+
+
+def test_compaction_loses_no_record_appended_by_other_processes(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Two processes append while this one compacts again and again (dropping only
+    records of namespace "gone"); a reader that followed along rebuilds: every
+    appended record survives, once, and the dropped ones are gone everywhere."""
+    client = redis.Redis.from_url(redis_server.url)
+    log = RedisIndexLog(client, redis_prefix)
+    reader = SyncedIndex(RedisIndexLog(client, redis_prefix), refresh_s=0)
+    for seed in range(50):
+        log.append("gone", ids(seed, 20))
+    assert reader.refresh() == 50
+    context = multiprocessing.get_context("fork")
+    workers = [
+        context.Process(target=_append_records, args=(redis_server.url, redis_prefix, w, 300))
+        for w in (1, 2)
+    ]
+    for process in workers:
+        process.start()
+    compactions = 0
+    while any(p.is_alive() for p in workers) or compactions < 3:
+        log.compact(lambda namespace, arr: namespace != "gone")
+        reader.refresh()
+        compactions += 1
+    for process in workers:
+        process.join()
+        assert process.exitcode == 0
+    records = RedisIndexLog(client, redis_prefix).read_new()
+    names = sorted((namespace, tuple(arr.tolist())) for namespace, arr in records)
+    want = sorted((f"w{w}", tuple(ids(w * 100_000 + i, 20))) for w in (1, 2) for i in range(300))
+    assert names == want
+    reader.refresh()
+    assert len(reader) == 600 and ("gone", ids(0, 20)) not in reader
+    assert log.nbytes() > 0
+    client.delete(log.key, f"{log.key}:gen")
+    client.close()
+
+
+def test_a_redis_store_is_sized_from_maxmemory(redis_server: RedisServer) -> None:
+    from kvrag_integrations.store.sizing import HOST_FRACTION, REDIS_FRACTION, store_budget
+
+    store = RedisKVStore(redis_server.url)
+    before = store.client.config_get("maxmemory")["maxmemory"]
+    try:
+        store.client.config_set("maxmemory", str(512 * 2**20))
+        nbytes, why = store_budget(store)
+        assert nbytes == int(REDIS_FRACTION * 512 * 2**20) and "maxmemory" in why
+        store.client.config_set("maxmemory", "0")
+        host = int(store.client.info("memory")["total_system_memory"])
+        assert store_budget(store)[0] == int(HOST_FRACTION * host)
+    finally:
+        store.client.config_set("maxmemory", before)
+        store.close()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvrag_integrations.matching import (
+    ContentIndex,
     DiskIndexLog,
     MemoryIndexLog,
     RedisIndexLog,
@@ -207,18 +208,99 @@ def test_replicas_add_in_log_order() -> None:
     assert a.cover("m", shared)[0].entry == b.cover("m", shared)[0].entry == (1, *shared)
 
 
-def test_max_records_bounds_the_index_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_max_bytes_bounds_the_live_index_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     log = MemoryIndexLog()
     for seed in range(5):
         log.append("m", ids(seed))
-    synced = SyncedIndex(log.reader(), max_records=3)
+    one = ContentIndex().cost(40)
+    synced = SyncedIndex(log.reader(), max_bytes=3 * one)
     with caplog.at_level(logging.WARNING):
         synced.refresh()
         assert not synced.add("m", ids(99))
         log.append("m", ids(98))
         synced.refresh()
     assert len(synced) == 3 and ("m", ids(99)) not in synced.index
-    assert caplog.text.count("max_records=3") == 1
+    assert synced.index.live_nbytes <= 3 * one
+    assert caplog.text.count(f"max_bytes={3 * one}") == 1
+    # entries found evicted (removed) no longer count: new ones are indexed again
+    for seed in range(3):
+        assert synced.remove("m", ids(seed))
+    assert synced.add("m", ids(99)) and ("m", ids(99)) in synced
+
+
+def test_churn_never_fills_a_restarted_index(tmp_path: Path) -> None:
+    """Entries come and go (the store evicts, the log is compacted): a server that
+    restarts replays what is live and indexes new entries, however long it ran."""
+    writer = DiskIndexLog(tmp_path)
+    one = ContentIndex().cost(40)
+    for round_ in range(10):
+        batch = [ids(seed) for seed in range(round_ * 10, round_ * 10 + 10)]
+        for entry in batch:
+            writer.append("m", entry)
+        live = {tuple(entry) for entry in batch[5:]}  # the store keeps the 5 newest
+        writer.compact(lambda namespace, arr, live=live: tuple(arr.tolist()) in live)
+        restarted = SyncedIndex(DiskIndexLog(tmp_path), max_bytes=8 * one)
+        assert restarted.refresh() == 5  # the replay reads what is live only
+        assert restarted.add("m", ids(1000 + round_))  # and a new entry is indexed
+        restarted.close()
+    writer.compact(lambda namespace, arr: tuple(arr.tolist()) in live)
+    assert writer.nbytes() == 5 * len(encode_record("m", ids(0)))
+    writer.close()
+
+
+def test_compaction_keeps_the_first_live_record_and_readers_rebuild(tmp_path: Path) -> None:
+    for log in (DiskIndexLog(tmp_path), MemoryIndexLog()):
+        reader = SyncedIndex(
+            log.reader() if isinstance(log, MemoryIndexLog) else DiskIndexLog(tmp_path), refresh_s=0
+        )
+        for seed in (1, 2, 3, 2):
+            log.append("m", ids(seed))
+        assert reader.refresh() == 3
+        assert log.compact(lambda namespace, arr: arr.tolist() != ids(1)) == (2, 2)
+        assert log.compact(lambda namespace, arr: True) == (2, 0)  # nothing left to drop
+        log.append("m", ids(4))
+        assert reader.refresh() == 3  # rebuilt from the live records, then the new one
+        assert len(reader) == 3 and ("m", ids(1)) not in reader
+        assert [r.entry for r in reader.cover("m", ids(2))] == [tuple(ids(2))]
+        assert log.nbytes() == 3 * len(encode_record("m", ids(1)))
+        reader.close()
+        log.close()
+
+
+def _append_records(root: str, worker: int, count: int) -> None:
+    log = DiskIndexLog(root)
+    for i in range(count):
+        log.append(f"w{worker}", ids(worker * 100_000 + i, 20))
+        log.append("gone", ids(worker * 100_000 + i, 20))  # each compaction drops some
+    log.close()
+
+
+def test_compaction_loses_no_record_appended_by_other_processes(tmp_path: Path) -> None:
+    """Two processes append while this one compacts again and again (dropping only
+    records of namespace "gone"): every appended record survives, once."""
+    log = DiskIndexLog(tmp_path)
+    for seed in range(50):
+        log.append("gone", ids(seed, 20))
+    context = multiprocessing.get_context("fork")
+    workers = [
+        context.Process(target=_append_records, args=(str(tmp_path), w, 400)) for w in (1, 2)
+    ]
+    for process in workers:
+        process.start()
+    compactions = 0
+    while any(p.is_alive() for p in workers) or compactions < 3:
+        log.compact(lambda namespace, arr: namespace != "gone")
+        compactions += 1
+    for process in workers:
+        process.join()
+        assert process.exitcode == 0
+    records = DiskIndexLog(tmp_path).read_new()
+    names = sorted((namespace, tuple(arr.tolist())) for namespace, arr in records)
+    want = sorted((f"w{w}", tuple(ids(w * 100_000 + i, 20))) for w in (1, 2) for i in range(400))
+    assert names == want
+    log.close()
 
 
 class _BrokenLog(MemoryIndexLog):

@@ -1,0 +1,163 @@
+"""A server's store is bounded by default: budget, namespace quotas, the index log counted.
+
+Real disk stores and index logs in a temp folder, synthetic entries (no model).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrag_integrations.chunk_kv import ChunkKV, cache_key
+from kvrag_integrations.matching import DiskIndexLog
+from kvrag_integrations.store import DiskKVStore, MemoryKVStore
+from kvrag_integrations.store.maintenance import StoreBudget
+from kvrag_integrations.store.quotas import Quotas, namespace_of
+from kvrag_integrations.store.sizing import DISK_FRACTION, store_budget
+from kvrag_integrations.vllm.config import ConnectorSettings, parse_store_bytes
+from kvrag_integrations.vllm.gateway import KeyFile
+from kvrag_integrations.vllm.serve import main as serve_main
+from kvrag_integrations.vllm.serve import namespace_quotas
+from kvrag_integrations.vllm.trust import Tenant
+
+BASE = "model-fp"
+A, B = (Tenant.of_key_namespace(name, b"secret") for name in ("team-a", "team-b"))
+
+
+def make_kv(seed: int, fingerprint: str, n: int = 16) -> ChunkKV:
+    gen = torch.Generator().manual_seed(seed)
+    keys, values = (torch.randn((2, 2, n, 8), generator=gen) for _ in range(2))
+    ids = torch.arange(seed * 1000, seed * 1000 + n)
+    return ChunkKV(ids, keys, values, fingerprint)
+
+
+def write(store: DiskKVStore, budget: StoreBudget, log: DiskIndexLog, kv: ChunkKV) -> bool:
+    """What the connector's worker does with an entry it stores."""
+    if not budget.admit(kv.nbytes + 4096, kv.fingerprint):
+        return False
+    store.put(kv)
+    log.append(kv.fingerprint, kv.token_ids.tolist())
+    return True
+
+
+def held(store: DiskKVStore, log: DiskIndexLog) -> int:
+    return sum(i.nbytes for i in store.entries()) + log.nbytes()
+
+
+def test_a_flood_of_one_tenant_keeps_the_store_in_budget_and_spares_the_others(
+    tmp_path: Path,
+) -> None:
+    store, log = DiskKVStore(tmp_path), DiskIndexLog(tmp_path)
+    one = make_kv(0, BASE).nbytes + 4096
+    max_bytes = 24 * one
+    quotas = Quotas(0.5, {A.namespace: 0, B.namespace: 0})
+    budget = StoreBudget(store, max_bytes, quotas=quotas, index_log=log)
+    ingested = [make_kv(10_000 + i, B.fingerprint(BASE)) for i in range(6)]
+    for kv in ingested:
+        assert write(store, budget, log, kv)
+    most = 0
+    for i in range(200):  # 200 distinct prompts of tenant A, learned one by one
+        assert write(store, budget, log, make_kv(i, A.fingerprint(BASE)))
+        most = max(most, held(store, log))
+    assert most <= max_bytes  # never past the budget, the index log counted
+    assert all(store.contains(kv.key) for kv in ingested)  # B's entries survived
+    flooded = [i for i in store.entries() if namespace_of(i.fingerprint) == A.namespace]
+    assert sum(i.nbytes for i in flooded) <= max_bytes // 2  # A within its quota
+    assert budget.evicted >= 150
+    # the log holds no record of an evicted entry once compacted: what is live
+    live = {i.key for i in store.entries()}
+    records = DiskIndexLog(tmp_path).read_new()
+    keys = [cache_key(ns, ids.tolist()) for ns, ids in records]
+    assert set(keys) == live and len(keys) <= len(live) + 0.25 * len(live) + 6
+
+
+def test_client_salts_share_one_quota_and_the_largest_holder_gives_way(tmp_path: Path) -> None:
+    store, log = DiskKVStore(tmp_path), DiskIndexLog(tmp_path)
+    one = make_kv(0, BASE).nbytes + 4096
+    budget = StoreBudget(store, 10 * one, quotas=Quotas(0.5, {A.namespace: 0}), index_log=log)
+    salts = [Tenant.of_salt(f"salt-{i}") for i in range(30)]
+    for i, tenant in enumerate(salts):  # a client minting a namespace per request
+        assert write(store, budget, log, make_kv(i, tenant.fingerprint(BASE)))
+    salted = [i for i in store.entries() if namespace_of(i.fingerprint) != ""]
+    assert sum(i.nbytes for i in salted) <= 5 * one  # all salts together: half
+    shared = [make_kv(100 + i, BASE) for i in range(4)]
+    for kv in shared:
+        assert write(store, budget, log, kv)
+    for i in range(20):  # tenant A fills what is left: the salts' entries give way first
+        assert write(store, budget, log, make_kv(200 + i, A.fingerprint(BASE)))
+        assert held(store, log) <= 10 * one
+    assert all(store.contains(kv.key) for kv in shared)
+
+
+def test_a_key_quota_from_the_key_file_bounds_its_namespace(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(
+        json.dumps(
+            {
+                "keys": {
+                    "sk-a": {"namespace": "team-a", "role": "write", "quota_bytes": 3000},
+                    "sk-a2": {"namespace": "team-a", "role": "read", "quota_bytes": 9000},
+                    "sk-b": {"namespace": "team-b", "role": "write"},
+                },
+                "anonymous": "none",
+            }
+        )
+    )
+    quotas = namespace_quotas(KeyFile.load(keys))
+    assert quotas == {A.namespace: 9000, B.namespace: 0}  # the largest of its keys
+    assert namespace_of(A.fingerprint(BASE)) == A.namespace  # what entries carry
+    settings = ConnectorSettings("disk:/tmp/x", namespace_quotas=quotas)
+    assert (
+        Quotas(settings.namespace_share, settings.namespace_quotas).limit(A.namespace, 10**6)
+        == 9000
+    )
+    keys.write_text(json.dumps({"keys": {"sk": {"namespace": "a", "quota_bytes": -1}}}))
+    with pytest.raises(ValueError, match="quota_bytes"):
+        KeyFile.load(keys)
+
+
+def test_a_write_larger_than_its_quota_is_refused(tmp_path: Path) -> None:
+    store = DiskKVStore(tmp_path)
+    one = make_kv(0, BASE).nbytes + 4096
+    budget = StoreBudget(store, 10 * one, quotas=Quotas(0.5, {A.namespace: one // 2}))
+    assert not budget.admit(one, A.fingerprint(BASE))
+    assert budget.admit(one, BASE)
+
+
+def test_no_budget_means_auto_and_unbounded_must_be_named(tmp_path: Path) -> None:
+    assert ConnectorSettings("disk:/tmp/x").max_store_bytes == "auto"
+    assert ConnectorSettings("disk:/tmp/x", max_store_bytes="none").max_store_bytes == "none"
+    for bad in (0, "0", -5, "lots", 1.5):
+        with pytest.raises(ValueError):
+            parse_store_bytes(bad)
+    assert parse_store_bytes("64000000") == 64_000_000
+
+
+def test_serve_refuses_a_zero_budget_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["--store", "disk:/tmp/kv", "--print-command"]
+    with pytest.raises(SystemExit):
+        serve_main([*base, "--max-store-bytes", "0"])
+    assert "no longer means no budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_main([*base, "--namespace-share", "1.5"])
+
+
+def test_auto_budget_of_a_disk_store_is_half_of_what_its_disk_could_give(
+    tmp_path: Path,
+) -> None:
+    store = DiskKVStore(tmp_path / "kv")  # not made yet: sized from its parent's disk
+    nbytes, why = store_budget(store)
+    free = shutil.disk_usage(tmp_path).free
+    assert abs(nbytes - DISK_FRACTION * free) <= 0.01 * free and "free" in why
+    store.put(make_kv(1, BASE))
+    held_now = sum(i.nbytes for i in store.entries())
+    again, _ = store_budget(store)
+    free = shutil.disk_usage(tmp_path).free
+    assert abs(again - DISK_FRACTION * (free + held_now)) <= 0.01 * free
+    assert store_budget(MemoryKVStore(max_bytes=2**30))[0] == 2**30
