@@ -125,9 +125,11 @@ def langchain_agent(
     embeddings: Any,
     http_client: httpx.Client,
     api_key: str = "none",
+    cache_salt: str | None = None,
 ) -> Callable[[str], Any]:
     """LangChain's RAG agent (its docs), over an ``InMemoryVectorStore`` of ``passages``,
-    with ``ChatOpenAI`` pointed at ``url``."""
+    with ``ChatOpenAI`` pointed at ``url`` (``cache_salt``: the client's own tenant,
+    sent in ``extra_body``: its learned prompts are found again)."""
     from langchain.agents import create_agent
     from langchain.agents.middleware import ModelRequest, dynamic_prompt
     from langchain_core.vectorstores import InMemoryVectorStore
@@ -144,6 +146,7 @@ def langchain_agent(
         logprobs=True,
         top_logprobs=20,
         http_client=http_client,
+        extra_body={"cache_salt": cache_salt} if cache_salt else None,
     )
 
     @dynamic_prompt
@@ -159,10 +162,16 @@ def langchain_agent(
 
 
 def llama_index_engine(
-    url: str, model: str, passages: list[str], embed_model: Any, http_client: httpx.Client
+    url: str,
+    model: str,
+    passages: list[str],
+    embed_model: Any,
+    http_client: httpx.Client,
+    cache_salt: str | None = None,
 ) -> Callable[[str], Any]:
     """LlamaIndex's query engine over a ``VectorStoreIndex`` of ``passages``, with
-    ``OpenAILike`` pointed at ``url`` (completions: its default)."""
+    ``OpenAILike`` pointed at ``url`` (completions: its default; ``cache_salt``:
+    the client's own tenant, in ``extra_body``)."""
     from llama_index.core import Document, VectorStoreIndex
     from llama_index.llms.openai_like import OpenAILike
 
@@ -177,6 +186,7 @@ def llama_index_engine(
         temperature=0,
         context_window=4096,
         http_client=http_client,
+        additional_kwargs={"extra_body": {"cache_salt": cache_salt}} if cache_salt else {},
     )
     engine = index.as_query_engine(llm=llm, similarity_top_k=len(passages))
     return engine.query

@@ -106,7 +106,11 @@ def _sequence(
         embed = lc_embed if kind == "langchain" else li_embed
         records = []
         for item in groups[kind]:
-            app = build(server.url, name, item.chunks[:n_chunks], embed, meter.client())
+            # each application is a tenant of its own (a cache_salt): at the server's
+            # defaults, learned prompts are found only by the tenant that taught them
+            salt = f"bench-{kind}-{uuid.uuid4().hex}"
+            chunks = item.chunks[:n_chunks]
+            app = build(server.url, name, chunks, embed, meter.client(), cache_salt=salt)
             app(item.question)
             first = meter.take()
             first["learned_after_s"] = server.wait_learned(first["prompt_tokens"])

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.errors import StoreURLError
-from kvrag_integrations.vllm.trust import check_role
+from kvrag_integrations.vllm.trust import ClientPolicy, KeyLookup, check_role, server_secret
 
 CONNECTOR_CLASS = "KVRAGConnector"
 CONNECTOR_MODULE = "kvrag_integrations.vllm.connector"
@@ -101,6 +101,13 @@ class ConnectorSettings:
             (``reuse_hook``), and the workers index what they store for it.
         learn_min_tokens: the shortest prompt the server stores whole to find its
             passages in later requests (0: it learns nothing from requests).
+            It learns only into a tenant's own namespace (an API key's or a
+            ``cache_salt``'s), unless ``share_anonymous``.
+        share_anonymous: callers without a key or salt share what the server
+            learns from them, and vLLM's prefix blocks (default False: each
+            anonymous request reads only what writers stored, under a salt of
+            its own). Any of them can then tell whether another sent a given
+            text: for one trusted team only.
     """
 
     store: str
@@ -114,6 +121,7 @@ class ConnectorSettings:
     max_entry_tokens: int = DEFAULT_MAX_ENTRY_TOKENS
     detect: bool = True
     learn_min_tokens: int = DEFAULT_LEARN_MIN_TOKENS
+    share_anonymous: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store.strip():
@@ -137,10 +145,22 @@ class ConnectorSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("trusted_clients", "detect"):
+        for name in ("trusted_clients", "detect", "share_anonymous"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
         check_role(self.client_role)
+
+    def policy(self, keys: KeyLookup | None = None) -> ClientPolicy:
+        """What the connector and the server's hook let requests do (``keys``: the
+        key file's current grants, for the grants the gateway signs)."""
+        return ClientPolicy(
+            self.trusted_clients,
+            self.client_role,
+            self.max_entry_tokens,
+            server_secret(),
+            self.share_anonymous,
+            keys,
+        )
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

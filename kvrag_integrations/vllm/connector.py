@@ -38,7 +38,6 @@ from kvrag_integrations.vllm.config import (
 from kvrag_integrations.vllm.identity import connector_fingerprints, model_folder, rank_layout
 from kvrag_integrations.vllm.messages import KVRAGConnectorMetadata, KVRAGWorkerMetadata
 from kvrag_integrations.vllm.scheduler_side import SchedulerSide
-from kvrag_integrations.vllm.trust import ClientPolicy, server_secret
 from kvrag_integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -80,13 +79,9 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            settings = self.settings
-            policy = ClientPolicy(
-                settings.trusted_clients,
-                settings.client_role,
-                settings.max_entry_tokens,
-                server_secret(),
-            )
+            from kvrag_integrations.vllm.gateway import KeyRing
+
+            policy = self.settings.policy(KeyRing.from_env())
             self._scheduler = SchedulerSide(
                 self._fingerprints,
                 self._backend.contains,

@@ -113,9 +113,17 @@ class Detector:
     min_share: float = MIN_SHARE
     _known: dict[str, bool] = field(default_factory=dict, repr=False)
 
-    def detect(self, fingerprint: str, prompt: Sequence[int], may_learn: bool) -> Detection:
+    def detect(
+        self, fingerprint: str, prompt: Sequence[int], may_learn: bool, fresh_glue: bool = False
+    ) -> Detection:
         """The plan for ``prompt`` in the namespace of ``fingerprint`` (the tenant's
-        storage fingerprint); ``may_learn``: the caller may store entries."""
+        storage fingerprint); ``may_learn``: the server may store what the caller
+        sent (its prompt, remainder, and the glue no entry holds yet).
+
+        ``fresh_glue``: every glue between found passages is to be encoded, stored
+        or not (``Detection.glue``), though nothing else is learned: in the shared
+        namespace, a request then takes the same course whatever others sent
+        before it (a glue stored already is encoded again, and saved no twice)."""
         self._known.clear()  # existence is asked afresh for each request
         prompt = list(prompt)
         runs = self._stored_runs(fingerprint, prompt)
@@ -124,8 +132,9 @@ class Detector:
         if not runs:
             reason = "no stored passage in the prompt"
             return Detection(learn_prompt=learn_prompt, reason=reason)
-        pieces, glue, end, reason = self._run(fingerprint, prompt, runs)
-        unknown_glue = tuple(dict.fromkeys(glue))[:MAX_LEARN_PER_REQUEST] if may_learn else ()
+        pieces, glue, end, reason = self._run(fingerprint, prompt, runs, fresh_glue)
+        learns_glue = may_learn or fresh_glue
+        unknown_glue = tuple(dict.fromkeys(glue))[:MAX_LEARN_PER_REQUEST] if learns_glue else ()
         if end < self.min_share * len(prompt) and learn_prompt:
             # Little to reuse: computing it all costs about as much, and the whole
             # prompt stored makes every passage in it reusable in any order next time.
@@ -158,7 +167,7 @@ class Detector:
         return []
 
     def _run(
-        self, fingerprint: str, prompt: list[int], runs: Sequence[RunLike]
+        self, fingerprint: str, prompt: list[int], runs: Sequence[RunLike], fresh_glue: bool
     ) -> tuple[list[PieceSpec], list[tuple[int, ...]], int, str]:
         """The leading run of pieces (found passages, stored glue between them),
         the unknown glue seen anywhere, where the run ends, and why."""
@@ -170,7 +179,7 @@ class Detector:
                 gap = tuple(prompt[position : run.start])
                 if len(gap) > self.max_glue_tokens:
                     stop = stop or f"{len(gap)} unknown tokens at {position}"
-                elif self._stored(fingerprint, gap):
+                elif not fresh_glue and self._stored(fingerprint, gap):
                     if not stop:
                         pieces.append(PieceSpec(position, len(gap)))
                 else:

@@ -1,29 +1,34 @@
-"""The OpenAI server's door: detection of stored passages, and API keys that map to tenants.
+"""The OpenAI server's door: API keys that map to tenants, and the grants that say so.
 
-``serve`` always installs this ASGI middleware (vLLM's ``--middleware``). At
-startup it wraps the server's engine client with ``reuse_hook`` (unless
-``$KVRAG_DETECT`` is ``0``: ``serve --no-detect``), so that plain OpenAI
-clients' requests reuse stored passages. With ``serve --tenant-keys`` it also
-guards the API.
+``serve`` always installs this ASGI middleware (vLLM's ``--middleware``); it
+does one job. (Finding stored passages in plain requests is installed at
+startup by ``startup.ReuseInstaller``.)
 
-vLLM's own ``--api-key`` lets a key in, and nothing more. This ASGI middleware
-runs in vLLM's API server before vLLM reads a request: it looks the request's
-bearer key up in the operator's key file, refuses an unknown one where the
-file admits no anonymous caller (401), and rewrites the body of completion and
-chat requests so that the key, not the client, decides the tenant:
+- **Every request loses any grant its client sent** (keyed or not): only this
+  middleware and the server's hook sign grants.
+- **With ``serve --tenant-keys``** it looks the request's bearer key up in the
+  operator's key file. Where the file admits no anonymous caller
+  (``"anonymous": "none"``), every route answers 401 without a listed key, but
+  the few that reach no model (``OPEN_ROUTES``: health, metrics, version): an
+  allow-list, so a route a later vLLM adds is guarded too. A keyed request to a
+  route that generates (``_REWRITTEN``, ``/invocations`` included) gets its
+  tenant:
 
-- our ``kv_transfer_params["kvrag"]`` get a ``grant`` (the key's namespace and
-  role, signed with the server's secret: ``trust.Grant``), and lose any
-  ``tenant`` or ``grant`` the client sent;
-- ``cache_salt`` becomes the one the connector derives for that tenant and the
-  request's load layout (``trust.request_salt``), so vLLM's prefix cache keeps
-  the tenant's blocks apart too; a request without our params gets the
-  tenant's exact salt;
-- params of ours that do not parse are dropped: the request runs exactly, as
-  plain vLLM.
+  - our ``kv_transfer_params["kvrag"]`` get a ``grant`` (the key's namespace
+    and role, bound to the key by its digest, signed with the server's secret:
+    ``trust.Grant``), and lose any ``tenant`` the client sent;
+  - ``cache_salt`` becomes the one the connector derives for that tenant and
+    the request's load layout (``trust.request_salt``), so vLLM's prefix cache
+    keeps the tenant's blocks apart too;
+  - params of ours that do not parse are dropped: the request runs exactly.
 
-Requests without a key (where admitted) pass unchanged: the connector applies
-its own rules to them (the anonymous role, the client's own salt).
+  The key file is read again when it changes: a key removed from it (or given
+  another namespace or role) is revoked at once, and the grants signed for it
+  stop counting in the connector and the hook, which read the same file
+  (``KeyRing``, ``trust.ClientPolicy.keys``).
+
+Requests without a key (where admitted) keep their body, less any grant: the
+server's hook gives each a salt of its own (``trust.Grant.anonymous``).
 
 The key file (JSON)::
 
@@ -50,17 +55,23 @@ from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.vllm.params import PARAMS_KEY, TransferParams
-from kvrag_integrations.vllm.reuse_hook import install
-from kvrag_integrations.vllm.trust import ROLES, Grant, Tenant, request_salt, server_secret
+from kvrag_integrations.vllm.trust import (
+    ROLES,
+    Grant,
+    Tenant,
+    key_digest,
+    request_salt,
+    server_secret,
+)
 
 logger = logging.getLogger(__name__)
 
 KEYS_ENV = "KVRAG_TENANT_KEYS"
-DETECT_ENV = "KVRAG_DETECT"  # "0": no detection of stored passages in plain requests
 """The path of the key file (``serve --tenant-keys`` sets it for vLLM's processes)."""
 
-_GUARDED = ("/v1/", "/v2/", "/inference/")
-_REWRITTEN = ("/completions", "/chat/completions", "/responses")
+OPEN_ROUTES = frozenset({"/health", "/ping", "/metrics", "/version"})
+"""The routes that need no key: they reach no model. Every other one does."""
+_REWRITTEN = ("/completions", "/chat/completions", "/responses", "/invocations")
 _MAX_BODY = 64 * 2**20  # a request body read whole to rewrite it
 
 Scope = MutableMapping[str, Any]
@@ -108,6 +119,63 @@ class KeyFile:
         return cls(keys, anonymous, quotas)
 
 
+class KeyRing:
+    """The key file as it is now: read again when it changes, so that a key taken
+    out of it is revoked at once (in the gateway, and for the grants the
+    connector and the hook check: ``__call__`` is a ``trust.KeyLookup``).
+
+    A file that no longer parses admits nobody (logged): a revoked key never
+    counts again because of a typo.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], secret: bytes) -> None:
+        self.path = Path(path)
+        self.secret = secret
+        self._stamp: tuple[int, int, int] | None = None
+        self._file = KeyFile.load(self.path)  # a bad file fails at start
+        self._by_digest = self._digests(self._file)
+        self._stamp = self._stat()
+
+    @classmethod
+    def from_env(cls) -> KeyRing | None:
+        """The key file ``serve --tenant-keys`` named (None: none, or no secret)."""
+        path, secret = os.environ.get(KEYS_ENV), server_secret()
+        return cls(path, secret) if path and secret is not None else None
+
+    def current(self) -> KeyFile:
+        stamp = self._stat()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._file = KeyFile.load(self.path)
+            except (OSError, ValueError) as exc:
+                logger.error("kvrag: key file %s unreadable, nobody admitted: %s", self.path, exc)
+                self._file = KeyFile({}, "none")
+            self._by_digest = self._digests(self._file)
+        return self._file
+
+    def grant(self, key: str) -> Grant | None:
+        """The grant of an API key (bound to it by its digest; None: not listed)."""
+        listed = self.current().keys.get(key) if key else None
+        if listed is None:
+            return None
+        return Grant(listed.namespace, listed.role, key_digest(key, self.secret))
+
+    def __call__(self, digest: str) -> Grant | None:
+        self.current()
+        return self._by_digest.get(digest)
+
+    def _digests(self, file: KeyFile) -> dict[str, Grant]:
+        return {key_digest(k, self.secret): g for k, g in file.keys.items()}
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
 class TenantGateway:
     """ASGI middleware (vLLM's ``--middleware``): API keys decide tenants and rights.
 
@@ -117,53 +185,38 @@ class TenantGateway:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.hooked = False
-        path = os.environ.get(KEYS_ENV)
-        self.keys: KeyFile | None = None
-        if path:
-            secret = server_secret()
-            if secret is None:
+        self.ring: KeyRing | None = None
+        if os.environ.get(KEYS_ENV):
+            self.ring = KeyRing.from_env()
+            if self.ring is None:
                 raise RuntimeError("TenantGateway needs $KVRAG_SERVER_SECRET (serve sets one)")
-            self.secret = secret
-            self.keys = KeyFile.load(path)
+            self.secret = self.ring.secret
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self.hooked:
-            self._hook(scope)
-        path = scope.get("path", "")
-        if self.keys is None or scope.get("type") != "http" or not path.startswith(_GUARDED):
+        kind = scope.get("type")
+        if kind not in ("http", "websocket"):  # lifespan
             await self.app(scope, receive, send)
             return
-        grant = self.keys.keys.get(_bearer(scope))
-        if grant is None and self.keys.anonymous == "none":
-            await _answer(send, 401, {"error": "Unauthorized"})
+        path = scope.get("path", "")
+        grant = self.ring.grant(_bearer(scope)) if self.ring is not None else None
+        refused = self.ring is not None and self.ring.current().anonymous == "none"
+        if grant is None and refused and path not in OPEN_ROUTES:
+            await _refuse(scope, send)
             return
-        if grant is None or scope.get("method") != "POST" or not path.endswith(_REWRITTEN):
+        if kind != "http" or scope.get("method") != "POST" or not _json_body(scope):
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
         if body is None:
             await _answer(send, 413, {"error": "request body too large"})
             return
-        body = self.rewrite(body, grant)
+        if grant is not None and path.endswith(_REWRITTEN):
+            body = self.rewrite(body, grant)
+        else:
+            body = strip_grant(body)
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         await self.app(scope, _replay(body, receive), send)
-
-    def _hook(self, scope: Scope) -> None:
-        """Install the detection of stored passages on the server's engine client
-        (at startup: the lifespan event comes after vLLM set up its app state)."""
-        state = getattr(scope.get("app"), "state", None)
-        engine_client = getattr(state, "engine_client", None)
-        if engine_client is None:
-            return
-        self.hooked = True
-        if os.environ.get(DETECT_ENV, "1") == "0":
-            return
-        try:
-            install(engine_client)
-        except Exception:  # the server still serves, as plain vLLM with the connector
-            logger.exception("kvrag: detection of stored passages not installed")
 
     def rewrite(self, body: bytes, grant: Grant) -> bytes:
         """The body of a keyed request with its tenant's grant and salt."""
@@ -173,9 +226,7 @@ class TenantGateway:
             return body  # vLLM answers a body that is not JSON
         if not isinstance(data, dict):
             return body
-        tenant = (
-            Tenant.of_key_namespace(grant.namespace, self.secret) if grant.namespace else Tenant()
-        )
+        tenant: Tenant = grant.tenant(self.secret)
         transfer = data.get("kv_transfer_params")
         params = None
         if isinstance(transfer, dict) and PARAMS_KEY in transfer:
@@ -199,6 +250,30 @@ class TenantGateway:
         else:
             data["cache_salt"] = salt
         return json.dumps(data).encode()
+
+
+def strip_grant(body: bytes) -> bytes:
+    """``body`` without a grant in its ``kv_transfer_params["kvrag"]`` (unchanged
+    where it has none, or is not a JSON object)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    transfer = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    ours = transfer.get(PARAMS_KEY) if isinstance(transfer, dict) else None
+    if not isinstance(ours, dict) or "grant" not in ours:
+        return body
+    ours.pop("grant")
+    return json.dumps(data).encode()
+
+
+def _json_body(scope: Scope) -> bool:
+    """Whether a request's body may be JSON (a client without a content type is
+    read as JSON by vLLM too); uploads (audio, files) pass as they are."""
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"content-type":
+            return b"json" in value.lower()
+    return True
 
 
 def _bearer(scope: Scope) -> str:
@@ -235,6 +310,13 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return replay
+
+
+async def _refuse(scope: Scope, send: Send) -> None:
+    if scope.get("type") == "websocket":
+        await send({"type": "websocket.close", "code": 1008})  # policy violation (HTTP 403)
+        return
+    await _answer(send, 401, {"error": "Unauthorized"})
 
 
 async def _answer(send: Send, status: int, content: dict[str, Any]) -> None:

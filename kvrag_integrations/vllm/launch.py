@@ -26,6 +26,7 @@ from kvrag_integrations.vllm.backend import Backend
 from kvrag_integrations.vllm.config import DEFAULT_MEMORY_TIER_BYTES, transfer_config
 
 GATEWAY = "kvrag_integrations.vllm.gateway.TenantGateway"
+INSTALLER = "kvrag_integrations.vllm.startup.ReuseInstaller"
 
 # vLLM on a CPU, as it ran fastest here (issue 34): float32 and no graph capture.
 # Every vLLM this package starts gets them, and a KV cache of an eighth of the
@@ -211,11 +212,13 @@ def join_server(
 def server_command(model: str | None, store: str, rest: list[str], **settings: Any) -> list[str]:
     """The vLLM OpenAI server's command line for ``model`` with the connector on
     ``store`` (``settings``: the connector's, ``ConnectorSettings``), the engine
-    arguments ``start_local`` uses, cached-token counts in the usage, and the
-    gateway (detection of stored passages in plain requests; API keys)."""
+    arguments ``start_local`` uses, cached-token counts in the usage, the
+    gateway (API keys and grants) and the installer of the server's hook
+    (anonymous requests' own salts; detection of stored passages)."""
     args = engine_args(model, transfer_config(store, **settings))
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    command += [*_flags(args), "--enable-prompt-tokens-details", "--middleware", GATEWAY]
+    command += [*_flags(args), "--enable-prompt-tokens-details"]
+    command += ["--middleware", GATEWAY, "--middleware", INSTALLER]
     return command + rest
 
 

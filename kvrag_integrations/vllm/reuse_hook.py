@@ -2,8 +2,12 @@
 
 vLLM's OpenAI server renders a chat or completion request, tokenizes it, and
 hands the token ids to its engine client's ``generate``. ``ReuseHook`` wraps
-that one method (installed by the gateway middleware on the server's own
-engine client, ``install``): before a request reaches the engine, it finds the
+that one method (installed at the server's startup on its own engine client,
+``install``, by ``startup.ReuseInstaller``), so every route that reaches the
+model passes it. First it gives an anonymous request (no key's grant, no salt
+of its own) a salt and grant of its own (``trust.Grant.anonymous``): it reads
+what writers stored, and shares no prefix block with any other caller. Then,
+with detection on, before the request reaches the engine, it finds the
 stored passages in its token ids (``detection``), and writes the connector's
 ``kv_transfer_params`` and the ``cache_salt`` a load of that layout must carry
 (``trust.request_salt``). From there on the request is an ordinary one: the
@@ -18,8 +22,12 @@ log-probabilities (rows loaded from storage have none), uses a LoRA adapter or
 multimodal input (entries hold the base model's text K/V), or where nothing
 stored is found; the reason is logged at debug level.
 
-Learning runs under the request's own tenant and rights: a caller that may not
-store entries teaches the server nothing (it reuses what writers stored).
+Learning runs under the request's own tenant and rights
+(``trust.ClientPolicy.may_learn``): the server learns only into a tenant's own
+namespace (an API key's or a ``cache_salt``'s), never into the shared one that
+every caller reads, unless the operator lets anonymous callers share
+(``--share-anonymous-prompts``); a caller that may not store entries teaches
+the server nothing (it reuses what writers stored).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.matching import ContentIndex
 from kvrag_integrations.vllm.detection import Detection, Detector
 from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
-from kvrag_integrations.vllm.trust import ClientPolicy, Tenant, request_salt
+from kvrag_integrations.vllm.trust import ClientPolicy, Grant, Tenant, request_salt
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +60,8 @@ class ReuseHook:
 
     Args:
         generate: the engine client's own ``generate``.
-        detector: plans loads from the content index.
+        detector: plans loads from the content index (None: detection is off;
+            anonymous requests still get salts of their own).
         policy: the connector's client policy (tenants and roles, as it applies them).
         sampling_params: makes the sampling parameters of a background encode
             (default: vLLM's ``SamplingParams``).
@@ -61,7 +70,7 @@ class ReuseHook:
     def __init__(
         self,
         generate: Callable[..., Any],
-        detector: Detector,
+        detector: Detector | None,
         policy: ClientPolicy,
         sampling_params: Callable[..., Any] | None = None,
     ):
@@ -92,6 +101,9 @@ class ReuseHook:
     ) -> None:
         """Rewrite ``prompt``'s salt and ``sampling_params``' transfer params in place
         (nothing, where the request passes through)."""
+        self._isolate(prompt, sampling_params)
+        if self.detector is None:
+            return
         why, ids, params = self._eligible(prompt, sampling_params, kwargs)
         if why:
             logger.debug("%s: runs as plain vLLM: %s", request_id, why)
@@ -104,9 +116,12 @@ class ReuseHook:
         except TransferParamsError as exc:
             logger.debug("%s: runs as plain vLLM: %s", request_id, exc)
             return
-        may_learn = role != "read"
+        may_learn = self.policy.may_learn(tenant, role)
+        # In the shared namespace (nothing learned), glue is encoded by every request:
+        # none then takes another course for what others sent before it.
+        fresh_glue = not may_learn and role != "read"
         fingerprint = tenant.fingerprint(self.detector.base_fingerprint)
-        detection = self.detector.detect(fingerprint, ids, may_learn)
+        detection = self.detector.detect(fingerprint, ids, may_learn, fresh_glue)
         if detection.glue:
             # Glue no entry holds yet (a template's separator between passages) would
             # stop the load at the first seam: a step of a few tokens stores it, then
@@ -134,6 +149,30 @@ class ReuseHook:
             learned = replace(params, save=(PieceSpec(0, len(ids)),), learn=True)
             self._rewrite(prompt, sampling_params, tenant, learned, None)
             self._pending_add(fingerprint, ids)
+
+    def _isolate(self, prompt: Any, sampling_params: Any) -> None:
+        """An anonymous request's own salt and grant (``trust.Grant.anonymous``): it
+        reads the shared namespace, and no prefix block of it is anyone else's."""
+        secret = self.policy.secret
+        if secret is None or not isinstance(prompt, dict):
+            return
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        transfer = extra.get("kv_transfer_params") if isinstance(extra, Mapping) else None
+        if isinstance(transfer, Mapping) and set(transfer) - {PARAMS_KEY}:
+            return  # another connector's request
+        ours = transfer.get(PARAMS_KEY) if isinstance(transfer, Mapping) else None
+        try:
+            params = TransferParams.from_request({PARAMS_KEY: ours or {}})
+        except TransferParamsError:
+            params = None  # dropped: the request runs exactly, as plain vLLM
+        params = params or TransferParams()
+        salt = prompt.get("cache_salt")
+        if not self.policy.isolates(params.tenant, params.grant, salt, bool(params.load)):
+            return
+        grant = Grant.anonymous(self.policy.client_role)
+        params = replace(params, grant=grant.signed(secret))
+        prompt["cache_salt"] = request_salt(grant.tenant(secret), params.layout)
+        _set_params(sampling_params, params.as_request())
 
     # ------------------------------------- prompts being stored after their answer
     def _pending_add(self, fingerprint: str, ids: list[int]) -> None:
@@ -279,16 +318,14 @@ def _set_params(sampling_params: Any, transfer: dict[str, Any] | None) -> None:
 
 def install(engine_client: Any) -> ReuseHook | None:
     """Wrap ``engine_client.generate`` (vLLM's ``EngineClient`` of the OpenAI server)
-    with a ``ReuseHook`` configured from its own connector settings; None where it
-    serves without our connector or with detection off. Idempotent."""
+    with a ``ReuseHook`` configured from its own connector settings (detection
+    only where they ask for it); None where it serves without our connector.
+    Idempotent."""
     hook = getattr(engine_client, "_kvrag_reuse_hook", None)
     if hook is not None:
         return hook
-    from kvrag_integrations.matching import SyncedIndex, index_log_for
-    from kvrag_integrations.store import open_store
     from kvrag_integrations.vllm.config import CONNECTOR_CLASS, ConnectorSettings
-    from kvrag_integrations.vllm.identity import connector_fingerprints
-    from kvrag_integrations.vllm.trust import server_secret
+    from kvrag_integrations.vllm.gateway import KeyRing
 
     _log_beside_vllm()
     config = engine_client.vllm_config
@@ -296,25 +333,33 @@ def install(engine_client: Any) -> ReuseHook | None:
     if transfer is None or transfer.kv_connector != CONNECTOR_CLASS:
         return None
     settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
-    if not settings.detect:
-        return None
+    policy = settings.policy(KeyRing.from_env())
+    detector = _detector(config, settings) if settings.detect else None
+    hook = ReuseHook(engine_client.generate, detector, policy)
+    engine_client.generate = hook.generate
+    engine_client._kvrag_reuse_hook = hook
+    if detector is not None:
+        indexed = len(detector.index)  # type: ignore[arg-type]
+        logger.info("kvrag: finds stored passages in plain requests (%d entries indexed)", indexed)
+    return hook
+
+
+def _detector(config: Any, settings: Any) -> Detector:
+    from kvrag_integrations.matching import SyncedIndex, index_log_for
+    from kvrag_integrations.store import open_store
+    from kvrag_integrations.vllm.identity import connector_fingerprints
+
     fingerprints = connector_fingerprints(config, settings.cache_precision)
     store = open_store(settings.store)
     index = SyncedIndex(index_log_for(store))  # the store's own connection
     index.refresh()  # what replicas and earlier runs stored, before the first request
-    detector = Detector(
+    return Detector(
         index,
         store.contains,
         fingerprints[0],
         max_entry_tokens=settings.max_entry_tokens,
         learn_min_tokens=settings.learn_min_tokens,
     )
-    policy = ClientPolicy(False, settings.client_role, settings.max_entry_tokens, server_secret())
-    hook = ReuseHook(engine_client.generate, detector, policy)
-    engine_client.generate = hook.generate
-    engine_client._kvrag_reuse_hook = hook
-    logger.info("kvrag: finds stored passages in plain requests (%d entries indexed)", len(index))
-    return hook
 
 
 def _log_beside_vllm() -> None:

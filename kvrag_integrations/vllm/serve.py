@@ -28,7 +28,13 @@ each namespace may hold of it; a key's ``quota_bytes`` in the key file),
 Plain OpenAI clients get reuse too (``reuse_hook``): the server finds stored
 passages in their chat and completion requests, and learns prompts of at least
 ``--learn-min-tokens`` tokens (default 256) so their passages are found next
-time, in any order. ``--no-detect`` turns that off.
+time, in any order: in the tenant's own namespace only (an API key's, or the
+client's own ``cache_salt``'s). A caller with neither reads what writers stored
+(ingested chunks) under a salt of its own, and teaches the server nothing: no
+caller can tell what another sent. ``--share-anonymous-prompts`` lets
+anonymous callers share learned prompts and prefix blocks (one trusted team
+only: each can then confirm a guess of another's text). ``--no-detect`` turns
+detection off.
 ``$KVRAG_SERVER_SECRET`` signs the gateway's grants (one is made per launch
 where unset).
 """
@@ -50,7 +56,7 @@ from kvrag_integrations.vllm.config import (
     DEFAULT_NAMESPACE_SHARE,
     parse_store_bytes,
 )
-from kvrag_integrations.vllm.gateway import DETECT_ENV, KEYS_ENV, KeyFile
+from kvrag_integrations.vllm.gateway import KEYS_ENV, KeyFile
 from kvrag_integrations.vllm.launch import platform_env, server_command
 from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV, Tenant
 
@@ -101,7 +107,17 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=DEFAULT_LEARN_MIN_TOKENS,
         help="store prompts of at least this many tokens whole, to find their "
-        "passages in later requests (0: learn nothing)",
+        "passages in later requests, in the tenant's own namespace: an API key's or "
+        "a cache_salt's (0: learn nothing)",
+    )
+    parser.add_argument(
+        "--share-anonymous-prompts",
+        action="store_true",
+        help="RISK: callers without a key or cache_salt share what the server learns "
+        "from their prompts and vLLM's prefix cache, so any of them can tell (from "
+        "cached_tokens or timing) whether another sent a given text. Only for one "
+        "trusted team; default: each anonymous request reads only what writers "
+        "stored (ingested chunks), under a salt of its own",
     )
     parser.add_argument("--print-command", action="store_true", help="print, do not run")
     args, rest = parser.parse_known_args(argv)
@@ -122,14 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     budget = args.max_store_bytes
     if budget == AUTO_BUDGET and not args.print_command:
         budget = _size_budget(args.store)
-    if args.no_detect:
-        env[DETECT_ENV] = "0"
     command = server_command(
         args.model,
         args.store,
         rest,
         detect=not args.no_detect,
         learn_min_tokens=args.learn_min_tokens,
+        share_anonymous=args.share_anonymous_prompts,
         cache_precision=args.cache_precision,
         memory_tier_bytes=args.memory_tier_bytes,
         client_role=role,

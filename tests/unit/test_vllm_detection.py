@@ -20,7 +20,7 @@ from kvrag_integrations.matching import ContentIndex
 from kvrag_integrations.vllm.detection import Detector
 from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
 from kvrag_integrations.vllm.reuse_hook import ReuseHook
-from kvrag_integrations.vllm.trust import ClientPolicy, Tenant, request_salt
+from kvrag_integrations.vllm.trust import ANON_SALT_PREFIX, ClientPolicy, Tenant, request_salt
 
 FP = "fp+kv-float16"
 rng = random.Random(0)
@@ -154,10 +154,68 @@ def run(hook: ReuseHook, prompt_ids: list[int], extra: dict | None = None, salt=
     return engine_prompt, params
 
 
-def hook_over(stored: Stored, role: str = "write") -> tuple[ReuseHook, FakeEngine]:
+def hook_over(
+    stored: Stored, role: str = "write", policy: ClientPolicy | None = None
+) -> tuple[ReuseHook, FakeEngine]:
+    """A hook over ``stored``; its default policy lets anonymous callers share (the
+    operator's opt-in: what the shared namespace's learning cases need)."""
     engine = FakeEngine()
-    policy = ClientPolicy(client_role=role)
+    policy = policy or ClientPolicy(client_role=role, share_anonymous=True)
     return ReuseHook(engine.generate, stored.detector(), policy, SimpleNamespace), engine
+
+
+SECRET = b"server-secret"
+
+
+def test_at_the_defaults_an_anonymous_request_reads_ingested_passages_under_its_own_salt() -> None:
+    """No key, no salt: it loads what writers stored, shares no prefix block with any
+    other request (a salt of its own), and the server learns nothing from it."""
+    stored = Stored()
+    for passage in [*PASSAGES, GLUE, HEAD + GLUE]:
+        stored.put(passage)
+    policy = ClientPolicy(secret=SECRET)  # a server's defaults
+    hook, engine = hook_over(stored, policy=policy)
+    p = prompt([1, 3, 0], ids(12))
+    salts = []
+    for turn in range(2):
+        engine_prompt, params = run(hook, p)
+        sent = TransferParams.from_request(params.extra_args["kv_transfer_params"])
+        assert sent.load_end >= len(p) - 12 - len(TAIL) and not sent.save and not sent.tenant
+        # its glue is encoded again, stored or not: its course depends on no one's text
+        learned = [s for s in engine.seen if s[2].startswith("kvrag-learn-")]
+        assert [s[0]["prompt_token_ids"] for s in learned] == [GLUE] * (turn + 1)
+        tenant, _ = policy.tenant_and_role(sent.tenant, sent.grant, None, True)
+        assert tenant.namespace == "" and tenant.salt.startswith(ANON_SALT_PREFIX)
+        # the connector admits the load: the salt is the one of its tenant and layout
+        assert engine_prompt["cache_salt"] == request_salt(tenant, sent.layout)
+        salts.append(engine_prompt["cache_salt"])
+    assert salts[0] != salts[1]  # two anonymous requests share no prefix block
+    # a prompt with nothing stored in it is computed exactly, under its own salt, unlearned
+    engine_prompt, params = run(hook, ids(400))
+    sent = TransferParams.from_request(params.extra_args["kv_transfer_params"])
+    assert not sent.save and not sent.load
+    assert engine_prompt["cache_salt"].startswith(ANON_SALT_PREFIX)
+
+
+def test_at_the_defaults_a_tenants_own_salt_still_learns_its_prompts() -> None:
+    stored = Stored()
+    hook, _ = hook_over(stored, policy=ClientPolicy(secret=SECRET))
+    engine_prompt, params = run(hook, ids(400), salt="team-a")
+    sent = TransferParams.from_request(params.extra_args["kv_transfer_params"])
+    assert sent.save == (PieceSpec(0, 400),) and sent.learn and sent.tenant == "team-a"
+    assert engine_prompt["cache_salt"] == "team-a"
+
+
+def test_a_clients_own_grant_or_anonymous_salt_is_no_tenant() -> None:
+    """A grant the client made up does not verify: the request is anonymous."""
+    stored = Stored()
+    hook, _ = hook_over(stored, policy=ClientPolicy(secret=SECRET))
+    forged = {"namespace": "", "role": "admin", "nonce": "0" * 32, "mac": "0" * 64}
+    extra = {"kv_transfer_params": {PARAMS_KEY: {"grant": forged}}}
+    engine_prompt, params = run(hook, ids(400), extra)
+    sent = TransferParams.from_request(params.extra_args["kv_transfer_params"])
+    assert sent.grant["nonce"] != forged["nonce"] and not sent.save
+    assert engine_prompt["cache_salt"] == ANON_SALT_PREFIX + sent.grant["nonce"]
 
 
 def test_the_hook_writes_the_load_and_its_salt_for_the_connector() -> None:

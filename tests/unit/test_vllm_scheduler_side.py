@@ -14,7 +14,7 @@ import pytest
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.vllm.params import PieceSpec, TransferParams
 from kvrag_integrations.vllm.scheduler_side import SchedulerSide
-from kvrag_integrations.vllm.trust import ClientPolicy, Grant, Tenant
+from kvrag_integrations.vllm.trust import ClientPolicy, Grant, Tenant, key_digest
 
 FP = "fp+kv-float16"
 PROMPT = list(range(100, 400))  # 300 tokens
@@ -233,13 +233,39 @@ def test_tenants_see_only_their_own_entries() -> None:
 def test_a_grant_counts_only_when_signed_with_the_servers_secret() -> None:
     secret = b"s3cret"
     tenant = Tenant.of_key_namespace("team-a", secret)
-    s = side(set(), policy=ClientPolicy(client_role="read", secret=secret))
+    digest = key_digest("sk-team-a", secret)
+    keys = {digest: Grant("team-a", "write")}
+    s = side(set(), policy=ClientPolicy(client_role="read", secret=secret, keys=keys.get))
     piece = PieceSpec(0, 300)
     forged = {"namespace": "team-a", "role": "admin", "mac": "0" * 64}
-    for rid, grant in [("forged", forged), ("signed", Grant("team-a", "write").signed(secret))]:
+    signed = Grant("team-a", "write", digest).signed(secret)
+    for rid, grant in [("forged", forged), ("signed", signed)]:
         params = TransferParams(save=(piece,), grant=grant)
         salt = tenant.salt if rid == "signed" else None
         s.matched_tokens(request(rid, params, salt=salt), 0)
     saves = s.step([("forged", 0, 300), ("signed", 0, 300)]).saves
     assert [op.request_id for op in saves] == ["signed"]  # forged: anonymous, read-only
     assert saves[0].namespace == tenant.namespace
+
+
+def test_a_revoked_or_changed_keys_grant_stops_counting() -> None:
+    """A grant is bound to its key: once the key file drops the key (or gives it
+    another role), the grants signed for it are anonymous requests'."""
+    secret = b"s3cret"
+    tenant = Tenant.of_key_namespace("team-a", secret)
+    digest = key_digest("sk-team-a", secret)
+    keys = {digest: Grant("team-a", "write")}
+    s = side(set(), policy=ClientPolicy(client_role="read", secret=secret, keys=keys.get))
+    signed = Grant("team-a", "write", digest).signed(secret)
+    unbound = Grant("team-a", "write").signed(secret)  # signed, but of no key
+    cases = {"now": signed, "unbound": unbound, "changed": signed, "revoked": signed}
+    for rid, grant in cases.items():
+        if rid == "changed":
+            keys[digest] = Grant("team-a", "read")
+        if rid == "revoked":
+            keys.clear()
+        params = TransferParams(save=(PieceSpec(0, 300),), grant=grant)
+        s.matched_tokens(request(rid, params, salt=tenant.salt), 0)
+    saves = s.step([(rid, 0, 300) for rid in cases]).saves
+    assert [op.request_id for op in saves] == ["now"]
+    assert all(s.finished(rid).refused for rid in ("unbound", "changed", "revoked"))

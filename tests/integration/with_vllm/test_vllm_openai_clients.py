@@ -53,37 +53,43 @@ def test_langchain_agent_reuses_passages_learned_by_the_other_replica(
     musique: Corpus,
     lc_embed,
 ) -> None:
-    """The first request teaches one replica; a new question over the same passages (in
-    the order its retrieval gives) is served from storage by the other."""
+    """A tenant's first request teaches one replica; a new question over the same
+    passages (in the order its retrieval gives) is served from storage by the
+    other, for that tenant only (learned prompts stay in its namespace)."""
     meter = Meter()
     name = vllm_engine.model_name
     passages = musique.chunks(60, PASSAGES, tag="detect-lc")
-    first = langchain_agent(vllm_servers[0].url, name, passages, lc_embed, meter.client())
-    first(musique.item(60).question)
+
+    def app(url: str, key: str = "none") -> Callable[[str], object]:
+        return langchain_agent(url, name, passages, lc_embed, meter.client(), key)
+
+    app(vllm_servers[0].url, "sk-team-a")(musique.item(60).question)
     taught = meter.take()
     assert taught["prompt_tokens"] > 400 and share(taught) < 0.5  # computed, and stored
     wait_indexed(redis_servers_store, taught["prompt_tokens"])
-    second = langchain_agent(vllm_servers[1].url, name, passages, lc_embed, meter.client())
-    second(NEW_QUESTION)
-    served = meter.take()
-    assert share(served) >= 0.85, served
-    # tenants stay apart: a key of another namespace finds none of it, and teaches its own
     url = vllm_servers[1].url
-    other = langchain_agent(url, name, passages, lc_embed, meter.client(), "sk-team-b")
+    app(url, "sk-team-a")(NEW_QUESTION)
+    assert share(meter.take()) >= 0.85  # its own tenant: served (the positive control)
+    # no other caller finds it: another key's namespace, nor an anonymous caller
+    other = app(url, "sk-team-b")
     other(NEW_QUESTION)
     assert share(meter.take()) < 0.2
-    other(musique.item(60).question)
+    app(url)(NEW_QUESTION)
+    assert share(meter.take()) < 0.2
+    other(musique.item(60).question)  # the other tenant teaches its own
     assert share(meter.take()) >= 0.85
 
 
 def test_llama_index_query_engine_with_openai_like_reuses_its_passages(
     vllm_servers: list[VLLMServer], vllm_engine: VLLMEngine, musique: Corpus
 ) -> None:
+    """A plain client with a ``cache_salt`` of its own (``extra_body``) finds its
+    learned prompt on its second request."""
     meter = Meter()
     passages = musique.chunks(61, PASSAGES, tag="detect-li")
     embed = embeddings_for_llama_index()
-    url = vllm_servers[0].url
-    query = llama_index_engine(url, vllm_engine.model_name, passages, embed, meter.client())
+    url, salt = vllm_servers[0].url, f"li-{uuid.uuid4().hex}"
+    query = llama_index_engine(url, vllm_engine.model_name, passages, embed, meter.client(), salt)
     query(musique.item(61).question)
     meter.take()
     query(NEW_QUESTION)
@@ -97,12 +103,9 @@ def test_passages_ingested_through_the_server_are_found_on_the_first_request(
     lc_embed,
     connect: Callable[..., VLLMEngine],
 ) -> None:
+    """Anonymous, with nothing learned: what a writer ingested is found at once."""
     meter = Meter()
     name, url = vllm_engine.model_name, vllm_servers[0].url
-    # the template's head is learned from any earlier request with it
-    warm = musique.chunks(62, PASSAGES, tag="detect-head")
-    langchain_agent(url, name, warm, lc_embed, meter.client())(musique.item(62).question)
-    meter.take()
     passages = musique.chunks(63, PASSAGES, tag="detect-ingest")
     connect(url).encode_chunks(passages, show_progress=False)
     app = langchain_agent(vllm_servers[1].url, name, passages, lc_embed, meter.client())
@@ -120,6 +123,7 @@ def test_streaming_n_and_stop_work_on_a_request_with_reuse(
         {"role": "user", "content": musique.item(64).question},
     ]
     args = {"model": vllm_engine.model_name, "temperature": 0, "max_tokens": 12}
+    args["extra_body"] = {"cache_salt": f"features-{uuid.uuid4().hex}"}  # its own tenant
     client.chat.completions.create(messages=messages, **args)  # learned
     messages[1]["content"] = NEW_QUESTION
     whole = client.chat.completions.create(messages=messages, **args)
