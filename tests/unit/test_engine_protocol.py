@@ -94,7 +94,7 @@ FRONT_DOOR = {
     "stream",
     "tokenize",
 }
-HOOKS = {"check_options", "context_window", "request_job"}
+HOOKS = {"check_options", "context_window", "forced_lead", "request_job"}
 BOTH = {"from_pretrained", "wait_for_encoding"}
 SCORING = {"scoring_fingerprint", "encode_documents", "score_documents"}  # DocumentScorer
 OWN = {
@@ -179,6 +179,18 @@ def engines(engine: KVRAGEngine) -> dict[str, object]:
 
 
 OK = None
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the documents.",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+        },
+    },
+}
 # (call keywords, what both engines do: OK, or the error both raise; or per engine)
 OPTION_CASES: list[tuple[dict[str, Any], Any]] = [
     ({}, OK),
@@ -228,12 +240,22 @@ OPTION_CASES: list[tuple[dict[str, Any], Any]] = [
     ),
     ({"question": None, "chunks": None}, ValueError),
     ({"chunks": TOWER}, TypeError),
+    ({"tools": [SEARCH]}, OK),
+    ({"tools": [SEARCH], "tool_choice": "required"}, OK),
+    ({"tools": [SEARCH], "tool_choice": "search"}, OK),
+    ({"tools": [SEARCH], "tool_choice": {"type": "function", "function": {"name": "search"}}}, OK),
+    ({"tools": [SEARCH], "tool_choice": "none"}, OK),
+    ({"tools": [SEARCH], "tool_choice": "other"}, ValueError),
+    ({"tool_choice": "required"}, ValueError),
+    ({"tools": SEARCH}, TypeError),
+    ({"tools": [{"type": "function", "function": {}}]}, ValueError),
+    ({"tools": [SEARCH], "tool_choice": 3}, TypeError),
 ]
 
 
 def test_the_cases_cover_every_option() -> None:
     named = {name for kwargs, _ in OPTION_CASES for name in kwargs}
-    options = {"strategy", "strategy_options", "on_miss", "logprobs"}
+    options = {"strategy", "strategy_options", "on_miss", "logprobs", "tools", "tool_choice"}
     assert named >= options | set(SAMPLING_ARGS) | set(PROMPT_ARGS)
 
 

@@ -246,14 +246,14 @@ def forced_start(plan: ToolPlan) -> tuple[str, list[str], str]:
     (``modeling.tool_constraint`` checks the rest).
 
     One tool: ``{"name": "<tool>", "<args key>": `` and, where its schema
-    requires properties, ``{"<first>": `` (a small model then fills in values
-    rather than copying the schema); several: ``{"name": "`` and each
+    requires properties, ``{"<first>": `` (and ``"`` if it is a string: a
+    small model then fills in a value rather than copying the schema); several: ``{"name": "`` and each
     ``<tool>", "<args key>": ``.
 
     Examples:
         >>> schema = {"properties": {"q": {"type": "string"}}, "required": ["q"]}
         >>> forced_start(ToolPlan((), HERMES, ("search",), schemas={"search": schema}))
-        ('{"name": "search", "arguments": {"q": ', [''], '{"q": ')
+        ('{"name": "search", "arguments": {"q": "', [''], '{"q": "')
     """
     key = plan.format.args_key
     heads = [f'{json.dumps(name)[1:-1]}", "{key}": ' for name in plan.forced]
@@ -264,4 +264,7 @@ def forced_start(plan: ToolPlan) -> tuple[str, list[str], str]:
     args = ""
     if isinstance(required, list) and required and isinstance(required[0], str):
         args = "{" + json.dumps(required[0]) + ": "
+        prop = (schema.get("properties") or {}).get(required[0])
+        if isinstance(prop, Mapping) and prop.get("type") == "string":
+            args += '"'  # a string value: its quote written, the model writes the text
     return '{"name": "' + heads[0] + args, [""], args
