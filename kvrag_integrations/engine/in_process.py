@@ -119,7 +119,9 @@ def _constraint(engine: InProcessEngine, request: Request) -> ForcedCall | None:
     if plan is None or not plan.forced:
         return None
     _, heads, written = forced_start(plan)
-    return ForcedCall(engine.tokenizer, heads, request.sampling.greedy, written)
+    schema = plan.schemas[plan.forced[0]] if len(plan.forced) == 1 else {}
+    one_key = len(schema.get("properties") or {}) == 1
+    return ForcedCall(engine.tokenizer, heads, request.sampling.greedy, written, one_key)
 
 
 def plan_prefill(engine: InProcessEngine, request: Request) -> Callable[[], PrefillResult]:

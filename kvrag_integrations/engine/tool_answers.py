@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from kvrag_integrations.engine.modeling.tool_constraint import close_call
 from kvrag_integrations.engine.prompting.tool_parsing import parse_tool_calls
 from kvrag_integrations.engine.request import Request
 from kvrag_integrations.engine.results import GenerationResult
@@ -50,8 +51,9 @@ def with_tool_calls(job: Job, request: Request, result: GenerationResult, tokeni
             yield text if holding else piece
             holding = False
         generated = tokenizer.decode(result.token_ids, skip_special_tokens=False)
-        if plan.forced:
-            generated = plan.prompt_tail + request.lead + generated + plan.format.closing
+        if plan.forced:  # a call cut short by max_new_tokens is closed
+            call = close_call(request.lead + generated)
+            generated = plan.prompt_tail + call + plan.format.closing
         content, calls = parse_tool_calls(generated)
         if calls:
             result.tool_calls = calls

@@ -12,6 +12,7 @@ a call that parses, whatever it would have written.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -41,9 +42,10 @@ def _string_end(text: str, i: int) -> int | None:
     return None
 
 
-def json_object_end(text: str) -> int | None:
+def json_object_end(text: str, one_key: bool = False) -> int | None:
     """Where the JSON object that ``text`` starts with ends (index past its ``}``);
     None while ``text`` is a valid unfinished prefix of one; -1 if it cannot be one.
+    ``one_key``: the object holds one key (a second is invalid).
 
     Examples:
         >>> json_object_end('{"q": [1, "a"]} tail'), json_object_end('{"q": tr')
@@ -108,6 +110,8 @@ def json_object_end(text: str) -> int | None:
             i, expect = i + 1, "value"
         else:  # after a value: a comma or the container's close
             top = stack[-1]
+            if c == "," and one_key and len(stack) == 1:
+                return -1
             if c == ",":
                 i, expect = i + 1, "key" if top == "{" else "value"
             elif c == ("}" if top == "{" else "]"):
@@ -122,7 +126,7 @@ def json_object_end(text: str) -> int | None:
     return None
 
 
-def call_state(text: str, heads: Sequence[str]) -> str:
+def call_state(text: str, heads: Sequence[str], one_key: bool = False) -> str:
     """``"done"``, ``"more"`` (a valid prefix) or ``"bad"``: is ``text`` one of
     ``heads``, then a JSON object, then ``}``?
 
@@ -141,7 +145,7 @@ def call_state(text: str, heads: Sequence[str]) -> str:
         if not text.startswith(head):
             continue
         rest = text[len(head) :]
-        end = json_object_end(rest)
+        end = json_object_end(rest, one_key)
         if end is None:
             return _MORE
         if end == -1:
@@ -164,11 +168,19 @@ class ForcedCall:
         greedy: keep only the likeliest valid token (else the valid ones of the
             ``width`` likeliest).
         written: the arguments' start the prompt already holds.
+        one_key: the arguments hold one key (the tool's schema has one property).
     """
 
     def __init__(
-        self, tokenizer: Any, heads: Sequence[str], greedy: bool, written: str = "", width: int = 64
+        self,
+        tokenizer: Any,
+        heads: Sequence[str],
+        greedy: bool,
+        written: str = "",
+        one_key: bool = False,
+        width: int = 64,
     ) -> None:
+        self.one_key = one_key
         self.tokenizer = tokenizer
         self.heads = list(heads)
         self.greedy = greedy
@@ -198,7 +210,7 @@ class ForcedCall:
                 piece = self._piece(token)
                 if not piece or "\ufffd" in piece:
                     continue
-                if call_state(self.text + piece, self.heads) != _BAD:
+                if call_state(self.text + piece, self.heads, self.one_key) != _BAD:
                     allowed.append(token)
                     if self.greedy:
                         break
@@ -212,5 +224,43 @@ class ForcedCall:
     def push(self, token: int) -> bool:
         """Record the chosen token; True once the call is complete (decoding stops)."""
         self.text += self._piece(token)
-        self.done = call_state(self.text, self.heads) == _DONE
+        self.done = call_state(self.text, self.heads, self.one_key) == _DONE
         return self.done
+
+
+def close_call(text: str) -> str:
+    """A forced call cut short (``max_new_tokens``) closed into valid JSON: the open
+    string and containers closed (a dangling key gets ``null``); ``text`` as is
+    when it is not a JSON prefix this can close.
+
+    Examples:
+        >>> close_call('{"name": "f", "arguments": {"q": "abc')
+        '{"name": "f", "arguments": {"q": "abc"}}'
+    """
+    stack: list[str] = []
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            stack.append(c)
+        elif c in "}]" and stack:
+            stack.pop()
+    closers = "".join("}" if c == "{" else "]" for c in reversed(stack))
+    head = text[:-1] if escaped else text
+    head += '"' if in_string else ""
+    bare = head.rstrip().rstrip(",:").rstrip()
+    for attempt in (head + closers, head + ": null" + closers, bare + closers):
+        try:
+            json.loads(attempt)
+        except json.JSONDecodeError:
+            continue
+        return attempt
+    return text

@@ -247,7 +247,8 @@ def forced_start(plan: ToolPlan) -> tuple[str, list[str], str]:
 
     One tool: ``{"name": "<tool>", "<args key>": `` and, where its schema
     requires properties, ``{"<first>": `` (and ``"`` if it is a string: a
-    small model then fills in a value rather than copying the schema); several: ``{"name": "`` and each
+    small model then fills in a value rather than copying the schema); several:
+    ``{"name": "`` and each
     ``<tool>", "<args key>": ``.
 
     Examples:
