@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from corpus import TOWER
+from corpus import SEARCH_TOOL, TOWER
 from corpus import TOWER_QUESTION as QUESTION
 
 from kvrag_integrations import (
@@ -179,18 +179,6 @@ def engines(engine: KVRAGEngine) -> dict[str, object]:
 
 
 OK = None
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "description": "Search the documents.",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string"}},
-            "required": ["query"],
-        },
-    },
-}
 # (call keywords, what both engines do: OK, or the error both raise; or per engine)
 OPTION_CASES: list[tuple[dict[str, Any], Any]] = [
     ({}, OK),
@@ -240,16 +228,22 @@ OPTION_CASES: list[tuple[dict[str, Any], Any]] = [
     ),
     ({"question": None, "chunks": None}, ValueError),
     ({"chunks": TOWER}, TypeError),
-    ({"tools": [SEARCH]}, OK),
-    ({"tools": [SEARCH], "tool_choice": "required"}, OK),
-    ({"tools": [SEARCH], "tool_choice": "search"}, OK),
-    ({"tools": [SEARCH], "tool_choice": {"type": "function", "function": {"name": "search"}}}, OK),
-    ({"tools": [SEARCH], "tool_choice": "none"}, OK),
-    ({"tools": [SEARCH], "tool_choice": "other"}, ValueError),
+    ({"tools": [SEARCH_TOOL]}, OK),
+    ({"tools": [SEARCH_TOOL], "tool_choice": "required"}, OK),
+    ({"tools": [SEARCH_TOOL], "tool_choice": "search"}, OK),
+    (
+        {
+            "tools": [SEARCH_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "search"}},
+        },
+        OK,
+    ),
+    ({"tools": [SEARCH_TOOL], "tool_choice": "none"}, OK),
+    ({"tools": [SEARCH_TOOL], "tool_choice": "other"}, ValueError),
     ({"tool_choice": "required"}, ValueError),
-    ({"tools": SEARCH}, TypeError),
+    ({"tools": SEARCH_TOOL}, TypeError),
     ({"tools": [{"type": "function", "function": {}}]}, ValueError),
-    ({"tools": [SEARCH], "tool_choice": 3}, TypeError),
+    ({"tools": [SEARCH_TOOL], "tool_choice": 3}, TypeError),
 ]
 
 

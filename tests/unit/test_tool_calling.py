@@ -12,25 +12,13 @@ import copy
 import json
 
 import pytest
-from corpus import TOWER
+from corpus import SEARCH_TOOL, TOWER
 from tool_templates import QWEN25
 
 from kvrag_integrations import Chunk, KVRAGEngine
 from kvrag_integrations.engine.prompting.tool_parsing import parse_tool_calls
 from kvrag_integrations.engine.prompting.tools import FALLBACK, HERMES, tool_format
 
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "description": "Search the documents.",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string"}},
-            "required": ["query"],
-        },
-    },
-}
 HISTORY = [
     {"role": "user", "content": "When was the tower built?"},
     {
@@ -90,7 +78,7 @@ def test_a_tool_template_renders_tools_calls_and_results_with_chunks_intact(
     assert tool_format(qwen.tokenizer) == HERMES
     segs = qwen.build_segments(messages=HISTORY, known_chunks=[TOWER], tools=_plan(qwen))
     text = "".join(s.text for s in segs)
-    assert json.dumps(SEARCH) in text  # the template's own tool list
+    assert json.dumps(SEARCH_TOOL) in text  # the template's own tool list
     assert '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>' in text
     assert f"<tool_response>\nSource: {{}}\nContent: {TOWER}\n</tool_response>" in text
     assert Chunk(TOWER) in segs  # the tool's document kept as a chunk
@@ -101,7 +89,7 @@ def test_a_template_without_tools_gets_the_fallback_prompt(engine: KVRAGEngine) 
     assert plan.format == FALLBACK
     segs = engine.build_segments(messages=HISTORY, known_chunks=[TOWER], tools=plan)
     text = "".join(s.text for s in segs)
-    assert "<tools>\n" + json.dumps(SEARCH) + "\n</tools>" in text
+    assert "<tools>\n" + json.dumps(SEARCH_TOOL) + "\n</tools>" in text
     assert '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>' in text
     assert Chunk(TOWER) in segs
 
@@ -109,7 +97,7 @@ def test_a_template_without_tools_gets_the_fallback_prompt(engine: KVRAGEngine) 
 def _plan(engine: KVRAGEngine):
     from kvrag_integrations.engine.prompting.tools import plan_tools
 
-    return plan_tools(engine.tokenizer, [SEARCH], None)
+    return plan_tools(engine.tokenizer, [SEARCH_TOOL], None)
 
 
 @pytest.mark.parametrize("choice", ["required", "search"])
@@ -119,18 +107,18 @@ def test_a_forced_call_from_a_random_model_is_a_valid_call(
     for template in (None, QWEN25):
         eng = engine if template is None else _with_template(engine, template)
         result = eng.generate(
-            messages=HISTORY[:1], tools=[SEARCH], tool_choice=choice, max_new_tokens=12
+            messages=HISTORY[:1], tools=[SEARCH_TOOL], tool_choice=choice, max_new_tokens=12
         )
         assert [c.name for c in result.tool_calls] == ["search"]
         assert isinstance(result.tool_calls[0].arguments["query"], str)
 
 
 def test_auto_text_streams_and_none_renders_no_tools(engine: KVRAGEngine) -> None:
-    stream = engine.stream(messages=HISTORY[:1], tools=[SEARCH], max_new_tokens=6)
+    stream = engine.stream(messages=HISTORY[:1], tools=[SEARCH_TOOL], max_new_tokens=6)
     text = "".join(stream)
     assert text == stream.result.text or stream.result.tool_calls
     none = engine.build_segments(messages=HISTORY[:1])
     result = engine.generate(
-        messages=HISTORY[:1], tools=[SEARCH], tool_choice="none", max_new_tokens=1
+        messages=HISTORY[:1], tools=[SEARCH_TOOL], tool_choice="none", max_new_tokens=1
     )
     assert result.prompt_tokens == engine.tokenize(none).num_tokens

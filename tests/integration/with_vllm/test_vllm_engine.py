@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+from corpus import SEARCH_TOOL
 from vllm_helpers import Corpus, needs_vllm
 
 from kvrag_integrations import ContextWindowExceededError, UnsupportedInputError
@@ -109,20 +110,6 @@ def test_messages_and_known_chunks_are_laid_out_as_in_process(
     theirs = engine.tokenize(engine.build_segments(messages=messages, known_chunks=[chunk]))
     assert ours.input_ids.tolist() == theirs.input_ids.tolist()
     assert [p.kind for p in ours.pieces] == [p.kind for p in theirs.pieces]
-
-
-SEARCH_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "description": "Search the documents.",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string"}},
-            "required": ["query"],
-        },
-    },
-}
 
 
 @pytest.mark.parametrize("choice", ["required", "search"])
