@@ -52,3 +52,18 @@ def format_docs(docs: list[Any]) -> str:
 def on_disk(engine: KVRAGEngine, root: Path) -> KVRAGEngine:
     """An engine over ``engine``'s weights with a disk store (reads that prefetch can start)."""
     return KVRAGEngine(engine.loaded, store=DiskKVStore(root), on_miss="encode")
+
+
+# An OpenAI function tool, the neutral form every engine takes as ``tools``.
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the documents.",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+        },
+    },
+}

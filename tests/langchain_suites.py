@@ -21,7 +21,11 @@ class ChatKVRAGFlags:
     # What a local text-only 135M chat model has and has not.
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:

@@ -26,13 +26,16 @@ from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
 from kvrag_integrations.engine.prompting.segments import (
     DEFAULT_INSTRUCTION,
     Segment,
+    Text,
     TokenizedPrompt,
 )
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
+from kvrag_integrations.engine.prompting.tools import ToolPlan, forced_start, plan_tools
 from kvrag_integrations.engine.request import Request, RequestOptions
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.strategies import make_strategy
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream, Job
+from kvrag_integrations.engine.tool_answers import with_tool_calls
 from kvrag_integrations.errors import check_fits
 
 
@@ -62,6 +65,13 @@ class EngineFrontend(ABC):
         """Refuse, at the call, options this engine cannot honour
         (``UnsupportedInputError``); every engine takes the rest."""
 
+    def forced_lead(self, plan: ToolPlan) -> str:
+        """The forced call's start the prompt ends with past its opening markup: the
+        in-process engine writes ``{"name": "<tool>", "<args key>": `` and
+        constrains the rest (``modeling.tool_constraint``); an engine with its own
+        constrained decoding (vLLM's structured outputs) writes none."""
+        return forced_start(plan)[0]
+
     # ------------------------------------------------------------- requests
     def open_request(
         self, question: str | None, chunks: Sequence[str] | None, kwargs: dict[str, Any]
@@ -74,7 +84,10 @@ class EngineFrontend(ABC):
         options = RequestOptions().merged(kwargs)
         request = self.prepare(options, question=question, chunks=chunks, **prompt)
         result = GenerationResult(strategy=request.strategy.name)
-        return self.request_job(request, result), result
+        job = self.request_job(request, result)
+        if request.tools is not None:
+            job = with_tool_calls(job, request, result, self.tokenizer)
+        return job, result
 
     def prepare(
         self,
@@ -93,6 +106,7 @@ class EngineFrontend(ABC):
         started = time.perf_counter()
         self.check_options(options)
         strategy = make_strategy(options.strategy, **options.strategy_options)
+        tools = plan_tools(self.tokenizer, options.tools, options.tool_choice)
         segs = self.build_segments(
             question=question,
             chunks=chunks,
@@ -101,13 +115,21 @@ class EngineFrontend(ABC):
             known_chunks=known_chunks,
             system_prompt=system_prompt,
             chat_template=chat_template,
+            tools=tools,
         )
+        lead = ""
+        if tools is not None and tools.forced:  # the call's start: computed text
+            lead = self.forced_lead(tools)
+            tail = [Text(tools.prompt_tail, markup=True), Text(lead)]
+            segs = [*segs, *(t for t in tail if t.text)]
         prompt = self.tokenize(segs)
         if prompt.num_tokens == 0:
             raise ValueError("the prompt is empty")
         self.check_fits(prompt.num_tokens, "the prompt", options.sampling.max_new_tokens)
         on_miss = self.on_miss if options.on_miss is None else options.on_miss
-        return Request(strategy, prompt, on_miss, started, options.sampling, options.logprobs)
+        return Request(
+            strategy, prompt, on_miss, started, options.sampling, options.logprobs, tools, lead
+        )
 
     # ------------------------------------------------------------- prompts
     def build_segments(
@@ -121,6 +143,7 @@ class EngineFrontend(ABC):
         system_prompt: str | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
         chat_template: bool = True,
+        tools: ToolPlan | None = None,
     ) -> list[Segment]:
         """The prompt as segments, chat template applied (``prompts.build_segments``
         with this engine's tokenizer and chunk index: its arguments and checks)."""
@@ -135,6 +158,7 @@ class EngineFrontend(ABC):
             system_prompt=system_prompt,
             instruction=instruction,
             chat_template=chat_template,
+            tools=tools,
         )
 
     @property
@@ -193,7 +217,9 @@ class EngineFrontend(ABC):
                 ``system_prompt``, ``chat_template``, ``max_new_tokens`` (256),
                 ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
                 ``stop``, ``stop_token_ids``, ``on_miss``, ``logprobs`` (the first
-                token's top-k log-probabilities in ``first_token_logprobs``) and
+                token's top-k log-probabilities in ``first_token_logprobs``),
+                ``tools`` (OpenAI function schemas) with ``tool_choice`` ("auto",
+                "required", "none" or a tool's name; calls in ``tool_calls``) and
                 strategy options (e.g. ``positions="composite"`` for turbo).
 
         Returns:

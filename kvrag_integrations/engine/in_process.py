@@ -26,7 +26,9 @@ from kvrag_integrations.engine.caching.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.caching.entries import Miss
 from kvrag_integrations.engine.modeling.generate import decode, top_logprobs
 from kvrag_integrations.engine.modeling.model import LoadedModel
+from kvrag_integrations.engine.modeling.tool_constraint import ForcedCall
 from kvrag_integrations.engine.prompting.segments import TokenizedPrompt, cache_leading_text
+from kvrag_integrations.engine.prompting.tools import forced_start
 from kvrag_integrations.engine.request import Request
 from kvrag_integrations.engine.results import ChunkSources, GenerationResult, PrefillResult
 from kvrag_integrations.engine.scheduling.background import BackgroundEncoder
@@ -98,6 +100,7 @@ def answer(
                     request.started,
                     engine.eos_token_ids,
                     cancel,
+                    _constraint(engine, request),
                 )
                 if request.logprobs is not None and result.token_ids:
                     # The sampled token too, even outside the top k (as vLLM reports it).
@@ -108,6 +111,17 @@ def answer(
     finally:
         if pre is not None:  # misses of a fallback: encoded once this request is answered
             result.deferred_chunks = engine.queue_deferred(pre)
+
+
+def _constraint(engine: InProcessEngine, request: Request) -> ForcedCall | None:
+    """A forced tool call's decoding constraint (None: the model writes freely)."""
+    plan = request.tools
+    if plan is None or not plan.forced:
+        return None
+    _, heads, written = forced_start(plan)
+    schema = plan.schemas[plan.forced[0]] if len(plan.forced) == 1 else {}
+    one_key = len(schema.get("properties") or {}) == 1
+    return ForcedCall(engine.tokenizer, heads, request.sampling.greedy, written, one_key)
 
 
 def plan_prefill(engine: InProcessEngine, request: Request) -> Callable[[], PrefillResult]:

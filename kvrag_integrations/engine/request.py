@@ -16,6 +16,7 @@ from typing import Any
 
 from kvrag_integrations.engine.modeling.sampling import SAMPLING_ARGS, SamplingParams, check_int
 from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
+from kvrag_integrations.engine.prompting.tools import ToolPlan, check_tool_choice, check_tools
 from kvrag_integrations.engine.scheduling.miss_policy import ON_MISS, check_on_miss
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
 
@@ -39,7 +40,10 @@ class RequestOptions:
     ``on_miss=None`` is the engine's own policy. ``logprobs=k`` asks for the
     first generated token's ``k`` likeliest log-probabilities
     (``GenerationResult.first_token_logprobs``; an int >= 1, else ``TypeError``
-    or ``ValueError``); None, none.
+    or ``ValueError``); None, none. ``tools``: OpenAI function schemas the
+    model may call (``prompting.tools.check_tools``); ``tool_choice``:
+    ``"auto"`` (None), ``"required"``, ``"none"`` or a tool's name (or OpenAI's
+    named form), checked against them.
 
     Examples:
         >>> blend = RequestOptions().merged(
@@ -62,6 +66,8 @@ class RequestOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     on_miss: str | None = None
     logprobs: int | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -70,13 +76,16 @@ class RequestOptions:
             check_on_miss(self.on_miss)
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", check_int("logprobs", self.logprobs, minimum=1))
+        object.__setattr__(self, "tools", check_tools(self.tools))
+        check_tool_choice(self.tool_choice, self.tools)
         object.__setattr__(self, "strategy_options", _option_dict(self.strategy_options))
         make_strategy(self.strategy, **self.strategy_options)
 
     def merged(self, call: Mapping[str, Any]) -> RequestOptions:
         """These options overridden by ``call`` (the engine's argument names).
 
-        ``strategy``, ``on_miss``, ``logprobs`` and the sampling arguments (``SAMPLING_ARGS``)
+        ``strategy``, ``on_miss``, ``logprobs``, ``tools``, ``tool_choice`` and the
+        sampling arguments (``SAMPLING_ARGS``)
         replace their values (None too: an adapter whose framework means "not
         given" by None leaves the key out). ``strategy_options`` (a mapping;
         None: none given) and every other key are strategy options: they update
@@ -104,10 +113,15 @@ class RequestOptions:
         kwargs["on_miss"] = self.on_miss
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
+        if self.tools:
+            kwargs["tools"] = list(self.tools)
+        if self.tool_choice is not None:
+            kwargs["tool_choice"] = self.tool_choice
         return kwargs
 
 
-_REPLACED = ("strategy", "on_miss", "logprobs")  # request options that are not the strategy's
+# request options that are not the strategy's
+_REPLACED = ("strategy", "on_miss", "logprobs", "tools", "tool_choice")
 
 
 def _option_dict(options: Any) -> dict[str, Any]:
@@ -122,7 +136,9 @@ def _option_dict(options: Any) -> dict[str, Any]:
 @dataclass
 class Request:
     """A checked request: its strategy, tokenized prompt, miss policy (the engine's
-    where the call named none), start time, sampling and log-probabilities asked for."""
+    where the call named none), start time, sampling and log-probabilities asked for;
+    its tools (None: none) and, where a call is forced, the call's start the
+    prompt ends with past the opening markup (``lead``: ``EngineFrontend.forced_lead``)."""
 
     strategy: Strategy
     prompt: TokenizedPrompt
@@ -130,3 +146,5 @@ class Request:
     started: float
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: int | None = None
+    tools: ToolPlan | None = None
+    lead: str = ""

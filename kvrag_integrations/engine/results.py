@@ -19,11 +19,14 @@ from kvrag_integrations.chunk_kv import cache_key
 if TYPE_CHECKING:  # annotations only
     from kvrag_integrations.engine.modeling.forward import PromptKV
     from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
+    from kvrag_integrations.engine.prompting.tools import ToolCall
 
 __all__ = ["ChunkSources", "GenerationResult", "PrefillOutput", "PrefillResult"]
 
 # What GenerationResult.stats leaves out: the answer itself, not numbers about it.
-_NOT_STATS = frozenset({"text", "token_ids", "first_token_logits", "first_token_logprobs"})
+_NOT_STATS = frozenset(
+    {"text", "token_ids", "first_token_logits", "first_token_logprobs", "tool_calls"}
+)
 
 
 @dataclass
@@ -71,6 +74,9 @@ class GenerationResult:
         first_token_logprobs: ``{token id: log-probability}`` of the first generated
             token's likeliest tokens, where the engine reports those instead of
             logits (``VLLMEngine`` with ``logprobs=k``).
+        tool_calls: the tool calls the model made (``prompting.tools.ToolCall``:
+            name, arguments, id), parsed from its text when the request had
+            ``tools``; ``text`` is then what the model wrote besides them.
     """
 
     text: str = ""
@@ -98,6 +104,7 @@ class GenerationResult:
     miss_policy: str = ""
     miss_reason: str = ""
     first_token_logprobs: dict[int, float] | None = field(default=None, repr=False)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain.hooks import install_hooks
 from kvrag_integrations.langchain.messages import to_engine_messages
+from kvrag_integrations.langchain.tools import bind_tools, tool_call_chunks, tool_calls
 
 # LangChain parameter name -> engine argument name.
 _SAMPLING = {
@@ -98,18 +99,22 @@ class ChatKVRAG(BaseChatModel):
         install_hooks()  # retrievers' and vector store searches' documents become known chunks
         return self
 
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
-        """Refused: the model does not call tools (a clear error where it is asked for).
+    def bind_tools(
+        self,
+        tools: Sequence[Any],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """This model with ``tools`` bound (``langchain.tools.bind_tools``): rendered by
+        the model's chat template, or the fallback tool prompt where it has none;
+        calls come back as ``AIMessage.tool_calls`` (streamed: ``tool_call_chunks``).
 
-        No tools is no change (an agent built with ``tools=[]`` binds none).
+        ``tool_choice``: ``"auto"`` (None), ``"required"`` / ``"any"`` / True, ``"none"``
+        or a tool's name; a required or named call is always a valid call
+        (constrained decoding).
         """
-        if not tools and not kwargs.get("tool_choice"):
-            return self
-        raise UnsupportedInputError(
-            "ChatKVRAG does not support tool calling (bind_tools): the local models it "
-            "serves are not tool-calling models; use a retrieval chain or a graph node "
-            "that calls the retriever instead of a tool"
-        )
+        return bind_tools(self, tools, tool_choice, kwargs)
 
     def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
         """Refused: no structured (JSON-schema) output mode."""
@@ -132,7 +137,8 @@ class ChatKVRAG(BaseChatModel):
             video_inputs=False,
             pdf_inputs=False,
             text_outputs=True,
-            tool_calling=False,
+            tool_calling=True,
+            tool_choice=True,
             structured_output=False,
         )
 
@@ -200,6 +206,7 @@ class ChatKVRAG(BaseChatModel):
         """
         kwargs = dict(kwargs)
         kwargs.pop("stream", None)
+        kwargs.pop("parallel_tool_calls", None)  # the model may write several calls
         if kwargs.pop("n", 1) != 1:
             raise UnsupportedInputError(
                 "ChatKVRAG returns one completion per call (n > 1 is not supported); "
@@ -252,6 +259,7 @@ class ChatKVRAG(BaseChatModel):
         self._last_result = result
         last = AIMessageChunk(
             content="",
+            tool_call_chunks=tool_call_chunks(result),
             usage_metadata=_usage(result),
             response_metadata=_metadata(engine, result),
             chunk_position="last",
@@ -271,6 +279,7 @@ class ChatKVRAG(BaseChatModel):
         self._last_result = result
         message = AIMessage(
             content=result.text,
+            tool_calls=tool_calls(result),
             usage_metadata=_usage(result),
             response_metadata=_metadata(engine, result),
         )

@@ -26,6 +26,7 @@ from kvrag_integrations.engine.prompting.spans import message_segments
 from kvrag_integrations.engine.protocol import RAGEngine
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain.hooks import recent_chunks
+from kvrag_integrations.langchain.tools import message_tool_fields
 
 # Content blocks that carry no prompt text (a text-only model skips them).
 _SKIPPED_BLOCKS = {
@@ -158,6 +159,9 @@ def to_engine_messages(
         >>> engine.prefill(messages=msgs, known_chunks=known).logits  # doctest: +SKIP
     """
     known = document_texts(documents)
+    # a retrieval tool's documents (response_format="content_and_artifact"): chunks
+    for message in messages:
+        known += [t for t in artifact_texts(message) if t not in known]
     # texts any retriever returned in this process (langchain.hooks), found verbatim
     registry = recent_chunks()
     for message in messages:
@@ -165,6 +169,26 @@ def to_engine_messages(
             if not any(text in chunk for chunk in known):  # inside a longer one: nothing new
                 known.append(text)
     out = [
-        {"role": message_role(m), "content": content_segments(m, engine, known)} for m in messages
+        {
+            "role": message_role(m),
+            "content": content_segments(m, engine, known),
+            **message_tool_fields(m),
+        }
+        for m in messages
     ]
     return out, known
+
+
+def artifact_texts(message: BaseMessage) -> list[str]:
+    """The texts of the ``Document``s a tool message carries as its artifact.
+
+    Examples:
+        >>> message = ToolMessage("...", tool_call_id="1", artifact=[Document("Ada wrote it.")])
+        >>> artifact_texts(message)
+        ['Ada wrote it.']
+    """
+    artifact = getattr(message, "artifact", None)
+    if not isinstance(message, ToolMessage) or not isinstance(artifact, (list, tuple)):
+        return []
+    docs = [d for d in artifact if isinstance(d, Document)]
+    return document_texts(docs)

@@ -20,7 +20,8 @@ from llama_index.core.base.llms.types import (
     TextBlock,
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 from pydantic import Field, PrivateAttr
 
 from kvrag_integrations.engine.protocol import RAGEngine, check_engine
@@ -28,6 +29,12 @@ from kvrag_integrations.engine.request import RequestOptions
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.llama_index.hooks import install_hooks, known_chunks
+from kvrag_integrations.llama_index.tools import (
+    message_tool_fields,
+    openai_calls,
+    prepare_chat_with_tools,
+    tool_selections,
+)
 
 # LlamaIndex roles the chat template may not know, mapped to ones it does.
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
@@ -43,9 +50,13 @@ _CALL_OPTIONS = (
     "seed",
     "stop",
     "on_miss",
+    "tools",
+    "tool_choice",
 )
 # The instance's fields that are request options (the engine's names).
-_SETTINGS = tuple(name for name in _CALL_OPTIONS if name not in ("top_k", "on_miss"))
+_SETTINGS = tuple(
+    name for name in _CALL_OPTIONS if name not in ("top_k", "on_miss", "tools", "tool_choice")
+)
 
 
 @dataclass
@@ -57,7 +68,7 @@ class _Request:
     options: dict[str, Any]
 
 
-class KVRAGLLM(CustomLLM):
+class KVRAGLLM(FunctionCallingLLM):
     """A local LLM for LlamaIndex that builds its prompt cache from stored chunk caches.
 
     Synthesizers paste retrieved node texts into the prompt; the engine finds them
@@ -95,6 +106,11 @@ class KVRAGLLM(CustomLLM):
 
     ``system_prompt`` is added by ``complete`` and, as LlamaIndex does, by
     ``predict``; ``chat`` sends the messages as given.
+
+    A function-calling LLM (``FunctionAgent``, ``chat_with_tools``): tools are
+    rendered by the model's chat template (or the engine's fallback tool
+    prompt), calls come back in ``message.additional_kwargs["tool_calls"]``
+    (``get_tool_calls_from_response``); ``tool_required`` forces a valid call.
 
     Examples:
         >>> llm = KVRAGLLM(engine, strategy="blend", max_new_tokens=64)  # doctest: +SKIP
@@ -147,8 +163,28 @@ class KVRAGLLM(CustomLLM):
             context_window=self._engine.context_window,
             num_output=self.max_new_tokens,
             is_chat_model=True,
+            is_function_calling_model=True,
             model_name=self._engine.model_name,
         )
+
+    # --------------------------------------------------------------- tools
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        return prepare_chat_with_tools(tools, user_msg, chat_history, tool_required, kwargs)
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The calls of a ``chat_with_tools`` response (``ToolSelection``s)."""
+        return tool_selections(response.message, error_on_no_tool_call)
 
     @property
     def last_result(self) -> Any:
@@ -193,7 +229,10 @@ class KVRAGLLM(CustomLLM):
         dicts = []
         for message in messages:
             role = getattr(message.role, "value", message.role)
-            dicts.append({"role": _ROLES.get(role, role), "content": _message_text(message)})
+            content = _message_text(message)
+            dicts.append(
+                {"role": _ROLES.get(role, role), "content": content, **message_tool_fields(message)}
+            )
         return self._request(dicts, kwargs, system=False)
 
     def _prompt_request(self, prompt: str, kwargs: dict[str, Any]) -> _Request:
@@ -259,11 +298,11 @@ class KVRAGLLM(CustomLLM):
 
     def _chat_gen(self, stream: Any) -> ChatResponseGen:
         for text, delta, stats in self._pieces(stream):
-            yield _chat_response(text, stats, delta)
+            yield _chat_response(text, stats, delta, stream.result.tool_calls)
 
     async def _achat_gen(self, stream: Any) -> ChatResponseAsyncGen:
         async for text, delta, stats in self._apieces(stream):
-            yield _chat_response(text, stats, delta)
+            yield _chat_response(text, stats, delta, stream.result.tool_calls)
 
     # ---------------------------------------------------------- completion
     @llm_completion_callback()
@@ -298,7 +337,7 @@ class KVRAGLLM(CustomLLM):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer the conversation; roles are kept and the chat template applied."""
         text, stats = self._run(self._chat_request(messages, kwargs))
-        return _chat_response(text, stats)
+        return _chat_response(text, stats, calls=self._last_result.tool_calls)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -308,7 +347,7 @@ class KVRAGLLM(CustomLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         text, stats = await self._arun(self._chat_request(messages, kwargs))
-        return _chat_response(text, stats)
+        return _chat_response(text, stats, calls=self._last_result.tool_calls)
 
     @llm_chat_callback()
     async def astream_chat(
@@ -333,6 +372,9 @@ def _message_text(message: ChatMessage) -> str:
     return "\n".join(parts)  # as ChatMessage.content joins them
 
 
-def _chat_response(text: str, stats: dict[str, Any], delta: str | None = None) -> ChatResponse:
-    message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+def _chat_response(
+    text: str, stats: dict[str, Any], delta: str | None = None, calls: Sequence[Any] = ()
+) -> ChatResponse:
+    extra = {"tool_calls": openai_calls(calls)} if calls else {}
+    message = ChatMessage(role=MessageRole.ASSISTANT, content=text, additional_kwargs=extra)
     return ChatResponse(message=message, delta=delta, additional_kwargs=stats, raw=stats)

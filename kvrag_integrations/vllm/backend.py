@@ -34,6 +34,8 @@ class BackendRequest:
             new token (raw: before any sampling processor), besides the sampled one.
         prompt_logprobs: return each prompt token's log-probability (answers
             whole; rows vLLM did not compute, loaded or cached, are meaningless).
+        json_schema: the answer must be JSON of this schema (vLLM's structured
+            outputs: a forced tool call).
     """
 
     prompt_ids: list[int]
@@ -44,6 +46,7 @@ class BackendRequest:
     stream: bool = True
     logprob_token_ids: tuple[int, ...] = ()
     prompt_logprobs: bool = False
+    json_schema: dict[str, Any] | None = None
 
 
 @dataclass

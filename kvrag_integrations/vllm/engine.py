@@ -44,6 +44,7 @@ from kvrag_integrations.engine.prompting.segments import (
     TokenizedPrompt,
     cache_leading_text,
 )
+from kvrag_integrations.engine.prompting.tools import ToolPlan
 from kvrag_integrations.engine.request import Request, RequestOptions
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.scheduling.ledger import EncodeLedger
@@ -276,6 +277,10 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
         """Refuse at the call what vLLM cannot run (``requests.check_strategy``)."""
         check_strategy(options)
 
+    def forced_lead(self, plan: ToolPlan) -> str:
+        """None: vLLM's structured outputs write the whole call object (``_call_schema``)."""
+        return ""
+
     def request_job(self, request: Request, result: GenerationResult) -> Job:
         """The work a stream's worker runs for a prepared request (``_answer``)."""
         if request.strategy.name == "turbo" and self.cache_prefix:
@@ -307,6 +312,7 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
             params.salt(),
             params.as_request(),
             logprobs,
+            json_schema=request.tools.call_schema if request.tools else None,
         )
         cached: int | None = None
         recomputed = 0  # tokens vLLM counts as cached though a failed load recomputed them

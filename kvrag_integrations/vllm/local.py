@@ -80,7 +80,7 @@ class LocalBackend:
 
     async def _run(self, request: BackendRequest, request_id: str, out: queue.Queue) -> None:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         extra = {"kv_transfer_params": request.params} if request.params else None
         scoring: dict[str, Any] = {}
@@ -88,6 +88,8 @@ class LocalBackend:
             scoring["logprob_token_ids"] = list(request.logprob_token_ids)
         if request.prompt_logprobs:  # rows not computed are left as they are: no text
             scoring.update(prompt_logprobs=0, detokenize=False)
+        if request.json_schema is not None:  # a forced tool call: vLLM's own constraint
+            scoring["structured_outputs"] = StructuredOutputsParams(json=request.json_schema)
         params = SamplingParams(
             **request.sampling,
             **scoring,

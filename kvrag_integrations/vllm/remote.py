@@ -137,6 +137,8 @@ class ServerBackend:
             body["logprob_token_ids"] = list(request.logprob_token_ids)
         if request.prompt_logprobs:
             body["prompt_logprobs"] = 0
+        if request.json_schema is not None:  # a forced tool call: vLLM's own constraint
+            body["structured_outputs"] = {"json": request.json_schema}
         return body
 
     def close(self) -> None:

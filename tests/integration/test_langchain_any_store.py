@@ -149,22 +149,79 @@ def test_ingested_through_us_reuses_from_the_first_request(fresh: KVRAGEngine) -
     assert all(d.metadata.get("kvrag_cache_key") for d in docs)
 
 
-def test_tool_calling_and_structured_output_are_refused_where_asked() -> None:
-    from langchain_core.tools import tool
-
-    @tool
-    def search(query: str) -> str:
-        """Search the web."""
-        return query
-
+def test_structured_output_and_n_are_refused_where_asked() -> None:
     llm = ChatKVRAG(max_tokens=4)
-    assert llm.bind_tools([]) is llm  # no tools: nothing to refuse (create_agent, tools=[])
-    with pytest.raises(UnsupportedInputError, match="tool calling"):
-        llm.bind_tools([search])
+    assert llm.bind_tools([]) is llm  # no tools: nothing bound (create_agent, tools=[])
     with pytest.raises(UnsupportedInputError, match="structured output"):
         llm.with_structured_output({"type": "object"})
     with pytest.raises(UnsupportedInputError, match="n > 1"):
         llm.invoke("Hello", n=2)
+
+
+def _rag_agent(model: ChatKVRAG, vector_store: Any) -> Any:
+    """LangChain's RAG tutorial agent, verbatim but for the model and a middleware
+    that makes the small model's first call the retrieval (``tool_choice``)."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import wrap_model_call
+    from langchain.tools import tool
+
+    @tool(response_format="content_and_artifact")
+    def retrieve_context(query: str):
+        """Retrieve information to help answer a query."""
+        retrieved_docs = vector_store.similarity_search(query, k=2)
+        serialized = "\n\n".join(
+            (f"Source: {doc.metadata}\nContent: {doc.page_content}") for doc in retrieved_docs
+        )
+        return serialized, retrieved_docs
+
+    @wrap_model_call
+    def retrieve_first(request: Any, handler: Any) -> Any:
+        if not any(m.type == "tool" for m in request.messages):
+            request = request.override(tool_choice="required")
+        return handler(request)
+
+    tools = [retrieve_context]
+    prompt = (
+        "You have access to a tool that retrieves context from a blog post. "
+        "Use the tool to help answer user queries."
+    )
+    return create_agent(model, tools, system_prompt=prompt, middleware=[retrieve_first])
+
+
+def _run_agent(agent: Any) -> list[Any]:
+    """The agent's messages after one question: human, the AI message with the
+    call, the tool message with the documents, the answer."""
+    state = agent.invoke({"messages": [{"role": "user", "content": QUESTION}]})
+    return state["messages"]
+
+
+def test_the_rag_agents_tool_documents_are_reused_from_the_first_call(fresh: KVRAGEngine) -> None:
+    """Documents ingested through us: the agent's second model call (after the
+    retrieval tool) reads >= 80% of their tokens from their stored caches."""
+    from langchain_core.messages import AIMessage, ToolMessage
+
+    vector_store = InMemoryVectorStore(MiniLMEmbeddings())
+    add_documents(vector_store, DOCS, fresh, show_progress=False)
+    model = ChatKVRAG(engine=fresh, max_tokens=16)
+    messages = _run_agent(_rag_agent(model, vector_store))
+    call, tool_message = messages[1], messages[2]
+    assert isinstance(call, AIMessage) and call.tool_calls[0]["name"] == "retrieve_context"
+    assert isinstance(tool_message, ToolMessage) and tool_message.artifact
+    result = model.last_result
+    assert result.fallback is None
+    assert result.reused_chunk_tokens >= 0.8 * chunk_tokens(fresh, tool_message.artifact) > 0
+
+
+def test_the_rag_agents_tool_documents_are_reused_from_the_second_run(fresh: KVRAGEngine) -> None:
+    """Over a plain store: the first run encodes the documents, the second reuses them."""
+    vector_store = plain_store()
+    model = ChatKVRAG(engine=fresh, max_tokens=16)
+    agent = _rag_agent(model, vector_store)
+    _run_agent(agent)
+    fresh.wait_for_encoding(120)
+    messages = _run_agent(agent)
+    result = model.last_result
+    assert result.reused_chunk_tokens >= 0.8 * chunk_tokens(fresh, messages[2].artifact) > 0
 
 
 def test_create_agent_with_dynamic_prompt_over_a_plain_store(fresh: KVRAGEngine) -> None:

@@ -3,8 +3,9 @@
 Their unit suites (construction, standard params, no weights) run on the tiny
 model in tests/unit/test_langchain_standard_unit.py.
 
-Features the model does not have (tool calling, structured output, JSON mode,
-image/audio/PDF/video inputs) are off through the suites' property flags.
+Features the model does not have (structured output, JSON mode,
+image/audio/PDF/video inputs) are off through the suites' property flags;
+tool calling is on (forced choices make even the 135M model's calls valid).
 """
 
 from __future__ import annotations

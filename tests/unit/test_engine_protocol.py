@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from corpus import TOWER
+from corpus import SEARCH_TOOL, TOWER
 from corpus import TOWER_QUESTION as QUESTION
 
 from kvrag_integrations import (
@@ -94,7 +94,7 @@ FRONT_DOOR = {
     "stream",
     "tokenize",
 }
-HOOKS = {"check_options", "context_window", "request_job"}
+HOOKS = {"check_options", "context_window", "forced_lead", "request_job"}
 BOTH = {"from_pretrained", "wait_for_encoding"}
 SCORING = {"scoring_fingerprint", "encode_documents", "score_documents"}  # DocumentScorer
 OWN = {
@@ -228,12 +228,28 @@ OPTION_CASES: list[tuple[dict[str, Any], Any]] = [
     ),
     ({"question": None, "chunks": None}, ValueError),
     ({"chunks": TOWER}, TypeError),
+    ({"tools": [SEARCH_TOOL]}, OK),
+    ({"tools": [SEARCH_TOOL], "tool_choice": "required"}, OK),
+    ({"tools": [SEARCH_TOOL], "tool_choice": "search"}, OK),
+    (
+        {
+            "tools": [SEARCH_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "search"}},
+        },
+        OK,
+    ),
+    ({"tools": [SEARCH_TOOL], "tool_choice": "none"}, OK),
+    ({"tools": [SEARCH_TOOL], "tool_choice": "other"}, ValueError),
+    ({"tool_choice": "required"}, ValueError),
+    ({"tools": SEARCH_TOOL}, TypeError),
+    ({"tools": [{"type": "function", "function": {}}]}, ValueError),
+    ({"tools": [SEARCH_TOOL], "tool_choice": 3}, TypeError),
 ]
 
 
 def test_the_cases_cover_every_option() -> None:
     named = {name for kwargs, _ in OPTION_CASES for name in kwargs}
-    options = {"strategy", "strategy_options", "on_miss", "logprobs"}
+    options = {"strategy", "strategy_options", "on_miss", "logprobs", "tools", "tool_choice"}
     assert named >= options | set(SAMPLING_ARGS) | set(PROMPT_ARGS)
 
 

@@ -171,6 +171,7 @@ def decode(
     started: float,
     eos_ids: Sequence[int],
     cancel: threading.Event | None = None,
+    constraint: Any = None,
 ) -> Iterator[str]:
     """Decode from a prompt cache, yielding text increments; fills ``result``.
 
@@ -181,7 +182,9 @@ def decode(
     ``StopStringCriteria`` sees it complete at the token level, or when the
     decoded text shows it (a tokenizer whose decoding rewrites text); the text
     is cut where it starts. ``cancel`` set stops decoding before the next
-    forward (``finish_reason == "cancelled"``).
+    forward (``finish_reason == "cancelled"``). ``constraint`` (a
+    ``tool_constraint.ForcedCall``) masks each step's logits and ends decoding
+    (``"stop"``) once the text it checks is complete.
     """
     generator = None
     if params.seed is not None:
@@ -198,6 +201,8 @@ def decode(
     text, emitted = "", 0
     result.finish_reason = "length"
     for step in range(params.max_new_tokens):
+        if constraint is not None:
+            logits = constraint.mask(logits)
         token = choose_token(logits, params, generator, ids, processors)
         if step == 0:
             result.ttft_s = time.perf_counter() - started
@@ -206,6 +211,9 @@ def decode(
             break
         text += detok.push(token)
         hit = criteria is not None and bool(criteria(_tail(ids, criteria), None)[0])
+        if constraint is not None and constraint.push(token):
+            result.finish_reason = "stop"
+            break
         if hit or scanner.find(text, emitted) >= 0:
             result.finish_reason = "stop"
             break

@@ -35,7 +35,12 @@ def _sentinel(nonce: str, i: int) -> str:
     return f"\x00kvrag-{nonce}-{i}\x00"
 
 
-def render_slots(tokenizer: Any, messages: Sequence[SlottedMessage]) -> list[str]:
+def render_slots(
+    tokenizer: Any,
+    messages: Sequence[SlottedMessage],
+    tools: Sequence[dict[str, Any]] | None = None,
+    extras: Sequence[dict[str, Any]] | None = None,
+) -> list[str]:
     """Render ``messages`` with the chat template and cut the result at the slots.
 
     Each message's content is its strings written in place with a sentinel for
@@ -44,6 +49,9 @@ def render_slots(tokenizer: Any, messages: Sequence[SlottedMessage]) -> list[str
     Args:
         tokenizer: a tokenizer with ``chat_template``.
         messages: ``(role, content)`` pairs; content items are strings or ``SLOT``.
+        tools: OpenAI function tools, passed as the template's ``tools``.
+        extras: per message, more keys of its dict (an assistant's ``tool_calls``,
+            a tool message's ``tool_call_id`` / ``name``).
 
     Returns:
         The rendered text around the slots: one more string than there are slots.
@@ -70,7 +78,12 @@ def render_slots(tokenizer: Any, messages: Sequence[SlottedMessage]) -> list[str
             else:
                 text += item
         dicts.append({"role": role, "content": text})
-    rendered = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
+    for message, extra in zip(dicts, extras or ()):
+        message.update(extra)
+    more = {"tools": list(tools)} if tools else {}
+    rendered = tokenizer.apply_chat_template(
+        dicts, tokenize=False, add_generation_prompt=True, **more
+    )
     parts: list[str] = []
     rest = rendered
     for i in range(count):
@@ -84,7 +97,12 @@ def render_slots(tokenizer: Any, messages: Sequence[SlottedMessage]) -> list[str
     return parts
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]] | None = None,
+    extras: Sequence[dict[str, Any]] | None = None,
+) -> list[Segment]:
     """Render chat messages with the model's template, keeping chunks intact.
 
     Every piece of message content (text and chunks) goes into the template as a
@@ -101,6 +119,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
     Args:
         tokenizer: a tokenizer with ``chat_template``.
         messages: ``(role, segments)`` pairs, e.g. ``[("user", [Text("Q"), Chunk(c)])]``.
+        tools, extras: as ``render_slots``'s (tools rendered by the template).
     """
     slotted: list[SlottedMessage] = []
     slots: list[Segment] = []
@@ -108,14 +127,19 @@ def render_chat(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
         filled = [seg for seg in content if seg.text]
         slotted.append((role, [SLOT] * len(filled)))
         slots += filled
-    out = _between(render_slots(tokenizer, slotted), slots)
+    out = _between(render_slots(tokenizer, slotted, tools, extras), slots)
     plain = [(role, ["".join(seg.text for seg in content)]) for role, content in messages]
-    if "".join(seg.text for seg in out) == render_slots(tokenizer, plain)[0]:
+    if "".join(seg.text for seg in out) == render_slots(tokenizer, plain, tools, extras)[0]:
         return out
-    return _render_in_place(tokenizer, messages)
+    return _render_in_place(tokenizer, messages, tools, extras)
 
 
-def _render_in_place(tokenizer: Any, messages: Sequence[Message]) -> list[Segment]:
+def _render_in_place(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]] | None,
+    extras: Sequence[dict[str, Any]] | None,
+) -> list[Segment]:
     """Fallback for templates that rewrite text: only chunks are slots."""
     controls = control_token_strings(tokenizer)
     chunks: list[Segment] = []
@@ -135,7 +159,7 @@ def _render_in_place(tokenizer: Any, messages: Sequence[Message]) -> list[Segmen
                     )
                 items.append(seg.text)
         slotted.append((role, items))
-    return _between(render_slots(tokenizer, slotted), chunks)
+    return _between(render_slots(tokenizer, slotted, tools, extras), chunks)
 
 
 def _between(parts: Sequence[str], slots: Sequence[Segment]) -> list[Segment]:

@@ -24,6 +24,13 @@ from kvrag_integrations.engine.prompting.segments import (
     rag_user_segments,
 )
 from kvrag_integrations.engine.prompting.spans import ChunkIndex, message_segments
+from kvrag_integrations.engine.prompting.tools import (
+    ToolPlan,
+    call_text,
+    fallback_system_text,
+    template_tool_calls,
+    tool_format,
+)
 
 logger = logging.getLogger("kvrag_integrations.engine.engine")
 
@@ -46,9 +53,14 @@ def build_segments(
     system_prompt: str | None = None,
     instruction: str = DEFAULT_INSTRUCTION,
     chat_template: bool = True,
+    tools: ToolPlan | None = None,
 ) -> list[Segment]:
     """The prompt as segments, with the chat template applied if asked
     (``EngineFrontend.build_segments`` calls it with the engine's own).
+
+    ``tools``: rendered by the template (``tools=``) where it takes them, else
+    as ``FALLBACK_TOOL_PROMPT`` in the system message (``tool_calls`` of
+    earlier assistant messages then written as the model writes calls).
 
     Exactly one of:
 
@@ -67,10 +79,20 @@ def build_segments(
     if isinstance(chunks, str):
         raise TypeError("chunks must be a list of strings, not one string")
     chat: list[Message] = []
+    extras: list[dict[str, Any]] = []
     if system_prompt is not None:
         chat.append(("system", [Text(check_text(system_prompt, "system_prompt"))]))
+        extras.append({})
     if messages is not None:
-        chat += [_message(m, chunk_index, known_chunks) for m in messages]
+        fmt = tools.format if tools is not None else tool_format(tokenizer)
+        for m in messages:
+            message, extra = _message(m, chunk_index, known_chunks)
+            if "tool_calls" in extra and not (chat_template and fmt.native):
+                calls = call_text(fmt, extra.pop("tool_calls"))
+                content = list(message[1])
+                message = (message[0], [*content, Text(("\n" if content else "") + calls)])
+            chat.append(message)
+            extras.append(extra)
     elif segments is not None:
         bad = [type(x).__name__ for x in segments if not isinstance(x, (Text, Chunk))]
         if bad:
@@ -78,11 +100,16 @@ def build_segments(
         chat.append(("user", list(segments)))
     else:
         chat.append(("user", rag_user_segments(question, list(chunks or []), instruction)))
+    if tools is not None and not tools.format.native:  # the template has no tools
+        chat, extras = _with_tool_prompt(chat, extras, fallback_system_text(tools.tools))
+    while len(extras) < len(chat):
+        extras.append({})
     if chat_template and not getattr(tokenizer, "chat_template", None):
         logger.info("tokenizer has no chat template; using the plain prompt")
         chat_template = False
     if chat_template:
-        return render_chat(tokenizer, chat)
+        native = tools.tools if tools is not None and tools.format.native else None
+        return render_chat(tokenizer, chat, native, extras)
     flat: list[Segment] = []
     if segments is None:  # a prompt we lay out (``segments`` are the prompt as given)
         bos = leading_bos(tokenizer)
@@ -120,9 +147,24 @@ def leading_bos(tokenizer: Any) -> str | None:
     return bos if ids and ids[0] == bos_id else None
 
 
+def _with_tool_prompt(
+    chat: list[Message], extras: list[dict[str, Any]], text: str
+) -> tuple[list[Message], list[dict[str, Any]]]:
+    """``text`` added to the system message (a new one first if there is none)."""
+    if chat and chat[0][0] == "system":
+        content = list(chat[0][1])
+        lead = [*content, Text("\n\n")] if content else []
+        return [("system", [*lead, Text(text)]), *chat[1:]], extras
+    return [("system", [Text(text)]), *chat], [{}, *extras]
+
+
+# Keys of a message dict, besides role and content, that chat templates read.
+_TOOL_KEYS = ("tool_call_id", "name")
+
+
 def _message(
     message: dict[str, Any], chunk_index: ChunkIndex, known_chunks: Sequence[str]
-) -> Message:
+) -> tuple[Message, dict[str, Any]]:
     if not isinstance(message, dict) or "role" not in message or "content" not in message:
         raise TypeError('each message must be a dict with "role" and "content"')
     role = message["role"]
@@ -130,4 +172,12 @@ def _message(
         raise TypeError(f"a message role must be a str, got {type(role).__name__}")
     if not _ROLE_RE.fullmatch(role):  # the template writes roles as markup
         raise ValueError(f"a message role must be a plain name like 'user', got {role!r}")
-    return role, message_segments(message["content"], chunk_index, known_chunks)
+    extra: dict[str, Any] = {k: message[k] for k in _TOOL_KEYS if message.get(k) is not None}
+    calls = message.get("tool_calls")
+    if calls:
+        if not isinstance(calls, (list, tuple)) or not all(isinstance(c, dict) for c in calls):
+            raise TypeError("tool_calls must be a list of OpenAI tool call dicts")
+        extra["tool_calls"] = template_tool_calls(calls)
+    content = message["content"]
+    segments = message_segments("" if content is None else content, chunk_index, known_chunks)
+    return (role, segments), extra

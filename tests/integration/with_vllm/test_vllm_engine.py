@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+from corpus import SEARCH_TOOL
 from vllm_helpers import Corpus, needs_vllm
 
 from kvrag_integrations import ContextWindowExceededError, UnsupportedInputError
@@ -109,3 +110,29 @@ def test_messages_and_known_chunks_are_laid_out_as_in_process(
     theirs = engine.tokenize(engine.build_segments(messages=messages, known_chunks=[chunk]))
     assert ours.input_ids.tolist() == theirs.input_ids.tolist()
     assert [p.kind for p in ours.pieces] == [p.kind for p in theirs.pieces]
+
+
+@pytest.mark.parametrize("choice", ["required", "search"])
+def test_a_forced_tool_call_is_valid_by_vllms_structured_outputs(
+    vllm_engine: VLLMEngine, musique: Corpus, choice: str
+) -> None:
+    """The bundled model, forced to call: vLLM's structured outputs keep the call's
+    JSON schema; the call parses; the tool's documents in the next call are reused."""
+    item, chunks = musique.item(33), musique.chunks(33, 2, tag="tools")
+    vllm_engine.encode_chunks(chunks, show_progress=False)
+    messages = [{"role": "user", "content": item.question}]
+    result = vllm_engine.generate(
+        messages=messages, tools=[SEARCH_TOOL], tool_choice=choice, max_new_tokens=48
+    )
+    assert [c.name for c in result.tool_calls] == ["search"]
+    assert isinstance(result.tool_calls[0].arguments.get("query"), str)
+    call = result.tool_calls[0].as_openai()
+    messages += [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "\n\n".join(chunks)},
+    ]
+    answer = vllm_engine.generate(messages=messages, tools=[SEARCH_TOOL], max_new_tokens=8)
+    chunk_tokens = sum(
+        len(vllm_engine.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in chunks
+    )
+    assert answer.reused_chunk_tokens >= 0.8 * chunk_tokens

@@ -1,0 +1,124 @@
+"""Tool calling in the engine: rendering per template, parsing per family, forced calls.
+
+Rendering uses the tiny model's tokenizer with Qwen2.5's real template
+(``tool_templates.QWEN25``) and with no tools in its template (the fallback
+prompt); parsing takes canned outputs of each family; a forced call on the
+random tiny model must still parse (constrained decoding).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from corpus import SEARCH_TOOL, TOWER
+from tool_templates import QWEN25
+
+from kvrag_integrations import Chunk, KVRAGEngine
+from kvrag_integrations.engine.prompting.tool_parsing import parse_tool_calls
+from kvrag_integrations.engine.prompting.tools import FALLBACK, HERMES, tool_format
+
+HISTORY = [
+    {"role": "user", "content": "When was the tower built?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": f"Source: {{}}\nContent: {TOWER}"},
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "args"),
+    [
+        (
+            '<tool_call>\n{"name": "search", "arguments": {"query": "a"}}\n</tool_call>',
+            "search",
+            {"query": "a"},
+        ),
+        (
+            '<|python_tag|>{"name": "search", "parameters": {"query": "a"}}',
+            "search",
+            {"query": "a"},
+        ),
+        ('{"name": "search", "parameters": {"query": "a"}}', "search", {"query": "a"}),
+        ('[TOOL_CALLS][{"name": "search", "arguments": {"query": "a"}}]', "search", {"query": "a"}),
+        ("```tool_code\nsearch(query='a')\n```", "search", {"query": "a"}),
+        ('```json\n{"name": "search", "arguments": {"query": "a"}}\n```', "search", {"query": "a"}),
+    ],
+)
+def test_each_familys_call_format_parses(text: str, name: str, args: dict) -> None:
+    content, calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments) for c in calls] == [(name, args)]
+    assert content == ""
+
+
+def test_text_and_broken_calls_stay_text() -> None:
+    assert parse_tool_calls("The tower was built in 1889.") == ("The tower was built in 1889.", [])
+    broken = '<tool_call>\n{"name": "search", "arguments": {"query": </tool_call>'
+    assert parse_tool_calls(broken) == (broken, [])
+
+
+def _with_template(engine: KVRAGEngine, template: str) -> KVRAGEngine:
+    tok = copy.deepcopy(engine.tokenizer)
+    tok.chat_template = template
+    other = copy.copy(engine)
+    other.tokenizer = tok
+    return other
+
+
+def test_a_tool_template_renders_tools_calls_and_results_with_chunks_intact(
+    engine: KVRAGEngine,
+) -> None:
+    qwen = _with_template(engine, QWEN25)
+    assert tool_format(qwen.tokenizer) == HERMES
+    segs = qwen.build_segments(messages=HISTORY, known_chunks=[TOWER], tools=_plan(qwen))
+    text = "".join(s.text for s in segs)
+    assert json.dumps(SEARCH_TOOL) in text  # the template's own tool list
+    assert '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>' in text
+    assert f"<tool_response>\nSource: {{}}\nContent: {TOWER}\n</tool_response>" in text
+    assert Chunk(TOWER) in segs  # the tool's document kept as a chunk
+
+
+def test_a_template_without_tools_gets_the_fallback_prompt(engine: KVRAGEngine) -> None:
+    plan = _plan(engine)
+    assert plan.format == FALLBACK
+    segs = engine.build_segments(messages=HISTORY, known_chunks=[TOWER], tools=plan)
+    text = "".join(s.text for s in segs)
+    assert "<tools>\n" + json.dumps(SEARCH_TOOL) + "\n</tools>" in text
+    assert '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>' in text
+    assert Chunk(TOWER) in segs
+
+
+def _plan(engine: KVRAGEngine):
+    from kvrag_integrations.engine.prompting.tools import plan_tools
+
+    return plan_tools(engine.tokenizer, [SEARCH_TOOL], None)
+
+
+@pytest.mark.parametrize("choice", ["required", "search"])
+def test_a_forced_call_from_a_random_model_is_a_valid_call(
+    engine: KVRAGEngine, choice: str
+) -> None:
+    for template in (None, QWEN25):
+        eng = engine if template is None else _with_template(engine, template)
+        result = eng.generate(
+            messages=HISTORY[:1], tools=[SEARCH_TOOL], tool_choice=choice, max_new_tokens=12
+        )
+        assert [c.name for c in result.tool_calls] == ["search"]
+        assert isinstance(result.tool_calls[0].arguments["query"], str)
+
+
+def test_auto_text_streams_and_none_renders_no_tools(engine: KVRAGEngine) -> None:
+    stream = engine.stream(messages=HISTORY[:1], tools=[SEARCH_TOOL], max_new_tokens=6)
+    text = "".join(stream)
+    assert text == stream.result.text or stream.result.tool_calls
+    none = engine.build_segments(messages=HISTORY[:1])
+    result = engine.generate(
+        messages=HISTORY[:1], tools=[SEARCH_TOOL], tool_choice="none", max_new_tokens=1
+    )
+    assert result.prompt_tokens == engine.tokenize(none).num_tokens
