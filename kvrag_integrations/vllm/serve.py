@@ -35,6 +35,17 @@ caller can tell what another sent. ``--share-anonymous-prompts`` lets
 anonymous callers share learned prompts and prefix blocks (one trusted team
 only: each can then confirm a guess of another's text). ``--no-detect`` turns
 detection off.
+
+Tool calling is vLLM's own: ``--enable-auto-tool-choice --tool-call-parser
+hermes`` (or the parser of the model's family) go to vLLM as they are. A model
+whose chat template has no tools (the bundled SmolLM2) gets ChatML with
+Hermes-style tool calls from ``--chat-template chatml-tools``, a template this
+package ships (``CHAT_TEMPLATES``; any other value is vLLM's: a file or a
+template string)::
+
+    python -m kvrag_integrations.vllm.serve --store disk:/srv/kv \\
+        --enable-auto-tool-choice --tool-call-parser hermes --chat-template chatml-tools
+
 ``$KVRAG_SERVER_SECRET`` signs the gateway's grants (one is made per launch
 where unset).
 """
@@ -59,6 +70,31 @@ from kvrag_integrations.vllm.config import (
 from kvrag_integrations.vllm.gateway import KEYS_ENV, KeyFile
 from kvrag_integrations.vllm.launch import platform_env, server_command
 from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV, Tenant
+
+# Chat templates shipped in the package, by the name ``--chat-template`` takes.
+CHAT_TEMPLATES = {"chatml-tools": "chatml_tools.jinja"}
+
+
+def chat_template_path(name: str) -> str:
+    """The file of the packaged chat template ``name`` (``CHAT_TEMPLATES``).
+
+    Raises:
+        KeyError: no template of that name is shipped.
+    """
+    data = Path(__file__).resolve().parent.parent / "data"
+    return str(data / CHAT_TEMPLATES[name])
+
+
+def _packaged_templates(rest: list[str]) -> list[str]:
+    """vLLM's arguments with a packaged template's name after ``--chat-template``
+    replaced by its file (other values are vLLM's: a path or a template string)."""
+    out = list(rest)
+    for i, arg in enumerate(out):
+        if arg == "--chat-template" and i + 1 < len(out) and out[i + 1] in CHAT_TEMPLATES:
+            out[i + 1] = chat_template_path(out[i + 1])
+        elif arg.startswith("--chat-template=") and arg.split("=", 1)[1] in CHAT_TEMPLATES:
+            out[i] = "--chat-template=" + chat_template_path(arg.split("=", 1)[1])
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--print-command", action="store_true", help="print, do not run")
     args, rest = parser.parse_known_args(argv)
-    rest = [a for a in rest if a != "--"]
+    rest = _packaged_templates([a for a in rest if a != "--"])
     env = {**platform_env(), **os.environ}
     env.setdefault(SECRET_ENV, secrets.token_hex(32))
     role = args.client_role
