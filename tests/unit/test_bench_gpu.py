@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvrag_integrations import Chunk, KVRAGEngine, Text
-from kvrag_integrations.bench import report, scaling, shapes
+from kvrag_integrations.bench import decode, report, scaling, shapes
 from kvrag_integrations.bench.__main__ import (
     out_dir,
     parser,
@@ -105,3 +105,35 @@ def test_gpu_preset_smoke_run_and_report(engine: KVRAGEngine, tmp_path: Path) ->
     assert text.startswith("## On a GPU: TTFT from 16 to 128 chunks, tiny-llama (dummy weights)")
     assert "turbo(store=tiered)" in text and "chunk length" not in text
     assert json.loads((tmp_path / "gpu-scaling-tiny-llama.json").read_text())["chunks"]
+
+
+def test_decode_suite_preset_smoke_run_and_report(tiny_loaded: LoadedModel, tmp_path: Path) -> None:
+    """``bench decode``: the gpu preset's sizes (~4k and ~16k tokens, 65 new tokens);
+    at smoke size on a dummy shape, every length is measured for the engine and HF's
+    generate (which decodes every token asked), and the report renders it."""
+    gpu = preset_options(decode, parser().parse_args(["decode", "--preset", "gpu"]))
+    assert gpu["lengths"] == [4096, 16384] and gpu["max_new_tokens"] == 65
+    quick_args = parser().parse_args(["decode", "--preset", "gpu", "--quick"])
+    options = suite_options(decode, quick_args)
+    assert max(options["lengths"]) < 256 and options["max_new_tokens"] < 65
+    loaded = shapes.dummy_model("tiny-llama", "cpu", tokenizer=tiny_loaded.tokenizer)
+    engine = KVRAGEngine(loaded, cache_precision="model", on_miss="encode")
+    payload = decode.run(engine, load_items(None, 2), **options)
+    assert [p["target_tokens"] for p in payload["points"]] == options["lengths"]
+    for point in payload["points"]:
+        assert point["prompt_tokens"] >= point["target_tokens"]
+        assert point["hf"]["generated"] == options["max_new_tokens"]
+        assert 1 <= point["engine"]["generated"] <= options["max_new_tokens"]
+        assert isinstance(point["engine"]["ms_per_token"], float)  # (a smoke run times nothing)
+    named = parser().parse_args(
+        ["decode", "--preset", "gpu", "--model", "llama-3.1-8b", "--dummy-weights"]
+    )
+    assert result_name("decode", named, engine) == "gpu-decode-llama-3.1-8b"
+    payload["machine"] = {"model": "tiny-llama (dummy weights)", "gpu": "NVIDIA H100"}
+    payload["command"] = "python -m kvrag_integrations.bench decode --preset gpu"
+    write_results(tmp_path, "gpu-decode-tiny-llama", payload, decode.table(payload))
+    found = report.load(tmp_path)
+    assert list(found) == ["gpu-decode-tiny-llama"]
+    text = report.section("gpu-decode-tiny-llama", found["gpu-decode-tiny-llama"])
+    assert text.startswith("## On a GPU: decoding at batch 1 after turbo, tiny-llama")
+    assert "HF generate ms/token" in text
