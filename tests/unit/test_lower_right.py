@@ -75,6 +75,25 @@ def test_tail_runs_lower_right_exactly(family: str, hits: list) -> None:
     assert attn_implementation(model.model.config) == "sdpa"
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_cuda_route_is_exact_too(
+    family: str, hits: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The route CUDA takes (torch's ``causal_lower_right`` bias, grouped K/V) run
+    on the CPU, where torch materializes it: equal to full prefill as well."""
+    monkeypatch.setattr(lower_right, "_FLAG_DEVICES", ("cuda", "cpu"))
+    biases = []
+    real = lower_right.causal_lower_right
+    monkeypatch.setattr(
+        lower_right, "causal_lower_right", lambda q, k: biases.append((q, k)) or real(q, k)
+    )
+    model = build(family)
+    prompt = prompt_of(*CHUNK_FIRST)
+    turbo = TurboRAG().prefill(model, prompt, chunk_kvs(model, prompt))
+    assert_close(turbo.logits, full_logits(model, prompt))
+    assert hits and biases == hits
+
+
 def test_scattered_rows_keep_the_additive_mask(hits: list) -> None:
     model = build("llama")
     prompt = prompt_of(*THREE_CHUNKS)

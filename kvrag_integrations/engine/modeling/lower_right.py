@@ -5,9 +5,10 @@ of the prompt (turbo's question after the chunks, the self-check's tail), each
 row ``i`` of ``q`` sees exactly the keys ``0..kv-q+i``: torch's
 ``causal_lower_right(q, kv)``, which SDPA's fused kernels (flash, cuDNN,
 efficient) take as a flag instead of a ``[q, kv]`` additive mask (on an H100 at
-16.5k keys, 0.07 ms per layer against 0.36 ms with the mask; on CPU torch
-builds the mask itself, at the same cost as ours). One row sees every key: no
-mask at all.
+16.5k keys, 0.07 ms per layer against 0.36 ms with the mask). Elsewhere (CPU)
+torch would materialize that mask in every layer; there one boolean mask is
+built per forward and shared by its layers (CPU SDPA takes a boolean mask at
+least as fast as an additive one). One row sees every key: no mask at all.
 
 How it reaches the model's own forward: :func:`lower_right_forward` points the
 model's config at an ``AttentionInterface`` function of ours for the forward
@@ -48,10 +49,13 @@ logger = logging.getLogger(__name__)
 
 _NAME = "kvrag_sdpa_lower_right"
 _INNER = "sdpa"
-_active = threading.local()  # .on: this thread's forward passed placeholders
+_active = threading.local()  # .on: this thread's forward passed placeholders; .masks
 _swap_lock = threading.Lock()
 _swapped: dict[int, int] = {}  # id(config) -> forwards inside (re-entrant, any thread)
 _named: set[str] = set()
+# Where SDPA takes causal_lower_right as a flag (fused kernels); elsewhere torch
+# would materialize it per layer, and our per-forward boolean mask is cheaper.
+_FLAG_DEVICES = ("cuda",)
 
 
 def fast_path_enabled() -> bool:
@@ -88,8 +92,13 @@ def _lower_right_attention(
         inner = attention_function(_INNER, module)
         return inner(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
-    # one row sees every key: no mask; else the flag (a fused kernel where one applies)
-    bias = None if q_len == 1 else causal_lower_right(q_len, kv_len)
+    # one row sees every key: no mask; on CUDA the flag (a fused kernel takes it)
+    if q_len == 1:
+        bias = None
+    elif query.device.type in _FLAG_DEVICES:
+        bias = causal_lower_right(q_len, kv_len)
+    else:
+        bias = _bool_mask(q_len, kv_len, query.device)
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -100,6 +109,16 @@ def _lower_right_attention(
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _bool_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, q, kv]`` lower-right causal as booleans, built once per forward."""
+    masks = _active.masks
+    key = (q_len, kv_len, device)
+    if key not in masks:
+        rows = torch.arange(kv_len - q_len, kv_len, device=device)
+        masks[key] = (torch.arange(kv_len, device=device)[None, :] <= rows[:, None])[None, None]
+    return masks[key]
 
 
 register_attention_like(_NAME, _lower_right_attention, like=_INNER)
@@ -134,12 +153,12 @@ def lower_right_forward(lm: Any) -> Iterator[None]:
         if _swapped.get(key, 0) == 0:
             set_attn_implementation(config, _NAME)
         _swapped[key] = _swapped.get(key, 0) + 1
-    previous = getattr(_active, "on", False)
-    _active.on = True
+    previous = getattr(_active, "on", False), getattr(_active, "masks", None)
+    _active.on, _active.masks = True, {}
     try:
         yield
     finally:
-        _active.on = previous
+        _active.on, _active.masks = previous
         with _swap_lock:
             _swapped[key] -= 1
             if _swapped[key] == 0:
