@@ -90,7 +90,9 @@ def _lower_right_attention(
     """SDPA lower-right on our placeholder; transformers' SDPA on anything else."""
     if not _is_placeholder(attention_mask) or kwargs.get("softcap") is not None:
         inner = attention_function(_INNER, module)
-        return inner(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return inner(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     q_len, kv_len = query.shape[2], key.shape[2]
     # one row sees every key: no mask; on CUDA the flag (a fused kernel takes it)
     if q_len == 1:
