@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -86,6 +87,17 @@ def test_gpu_preset_sizes_and_file_names(engine: KVRAGEngine) -> None:
     assert out_dir(args_of("--out", "x"), engine) == "x"
 
 
+def gpu_section(module: Any, suite: str, payload: dict, folder: Path) -> str:
+    """The report's section of ``payload`` written as a GPU run's file (the only one found)."""
+    payload["machine"] = {"model": "tiny-llama (dummy weights)", "gpu": "NVIDIA H100"}
+    payload["command"] = f"python -m kvrag_integrations.bench {suite} --preset gpu"
+    name = f"gpu-{suite}-tiny-llama"
+    write_results(folder, name, payload, module.table(payload))
+    found = report.load(folder)
+    assert list(found) == [name]
+    return report.section(name, found[name])
+
+
 def test_gpu_preset_smoke_run_and_report(engine: KVRAGEngine, tmp_path: Path) -> None:
     """Every row the preset promises is measured at every count, from each store, and
     the report renders the file as a GPU section after the scaling one."""
@@ -96,12 +108,7 @@ def test_gpu_preset_smoke_run_and_report(engine: KVRAGEngine, tmp_path: Path) ->
     assert [p["n_chunks"] for p in payload["chunks"]] == options["counts"]
     for point in payload["chunks"]:
         assert set(point["ttft_ms"]) == set(rows) and point["floor_ms"] > 0
-    payload["machine"] = {"model": "tiny-llama (dummy weights)", "gpu": "NVIDIA H100"}
-    payload["command"] = "python -m kvrag_integrations.bench scaling --preset gpu"
-    write_results(tmp_path, "gpu-scaling-tiny-llama", payload, scaling.table(payload))
-    found = report.load(tmp_path)
-    assert list(found) == ["gpu-scaling-tiny-llama"]
-    text = report.section("gpu-scaling-tiny-llama", found["gpu-scaling-tiny-llama"])
+    text = gpu_section(scaling, "scaling", payload, tmp_path)
     assert text.startswith("## On a GPU: TTFT from 16 to 128 chunks, tiny-llama (dummy weights)")
     assert "turbo(store=tiered)" in text and "chunk length" not in text
     assert json.loads((tmp_path / "gpu-scaling-tiny-llama.json").read_text())["chunks"]
@@ -129,11 +136,6 @@ def test_decode_suite_preset_smoke_run_and_report(tiny_loaded: LoadedModel, tmp_
         ["decode", "--preset", "gpu", "--model", "llama-3.1-8b", "--dummy-weights"]
     )
     assert result_name("decode", named, engine) == "gpu-decode-llama-3.1-8b"
-    payload["machine"] = {"model": "tiny-llama (dummy weights)", "gpu": "NVIDIA H100"}
-    payload["command"] = "python -m kvrag_integrations.bench decode --preset gpu"
-    write_results(tmp_path, "gpu-decode-tiny-llama", payload, decode.table(payload))
-    found = report.load(tmp_path)
-    assert list(found) == ["gpu-decode-tiny-llama"]
-    text = report.section("gpu-decode-tiny-llama", found["gpu-decode-tiny-llama"])
+    text = gpu_section(decode, "decode", payload, tmp_path)
     assert text.startswith("## On a GPU: decoding at batch 1 after turbo, tiny-llama")
     assert "HF generate ms/token" in text
