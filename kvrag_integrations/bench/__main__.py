@@ -1,7 +1,9 @@
 """``python -m kvrag_integrations.bench <suite>``: run a benchmark suite (or ``all``).
 
 Suites: ``ttft`` (TTFT of every strategy), ``scaling`` (TTFT against the number
-and length of chunks, with the query-only floor), ``quality`` (speed and
+and length of chunks, with the query-only floor), ``decode`` (ms per decoded
+token at batch 1 after turbo at ~4k and ~16k prompt tokens, beside HF's
+``generate``), ``quality`` (speed and
 fidelity to full prefill, F1 and log-likelihood against gold), ``attention``
 (where the question's attention over reused chunks goes, per layer), ``rerank``
 (reranker throughput with and without reuse, recall@1/@3; one file per ``--scoring``), ``peer``
@@ -39,6 +41,7 @@ from typing import Any
 from kvrag_integrations.bench import (
     attention,
     cold,
+    decode,
     match,
     memory,
     openai_clients,
@@ -64,6 +67,7 @@ from kvrag_integrations.engine.engine import KVRAGEngine
 SUITES: dict[str, ModuleType] = {
     "ttft": ttft,
     "scaling": scaling,
+    "decode": decode,
     "quality": quality,
     "attention": attention,
     "rerank": rerank,
@@ -114,14 +118,20 @@ def parser() -> argparse.ArgumentParser:
         "--lengths",
         type=_ints,
         default=None,
-        help="scaling: chunk lengths (tokens); vllm prefix-hit: prompt lengths",
+        help="scaling: chunk lengths (tokens); vllm prefix-hit, decode: prompt lengths",
     )
-    p.add_argument("--max-new-tokens", type=int, default=None, help="quality/peer: answer length")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="quality/peer: answer length; decode: tokens decoded",
+    )
     p.add_argument(
         "--preset",
         default=None,
         help="quality: default, ablation, sinks, refresh, agreement, precision or suffix; "
-        "ttft: context; scaling: gpu (16, 64, 128 chunks x 256 tokens, turbo per store)",
+        "ttft: context; scaling: gpu (16, 64, 128 chunks x 256 tokens, turbo per store); "
+        "decode: gpu (~4k and ~16k tokens)",
     )
     p.add_argument(
         "--no-loglik", action="store_true", help="quality: skip the gold log-likelihood prefill"

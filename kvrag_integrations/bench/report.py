@@ -20,6 +20,7 @@ from typing import Any
 from kvrag_integrations.bench import (
     attention,
     cold,
+    decode,
     match,
     memory,
     openai_clients,
@@ -37,6 +38,7 @@ SECTIONS = [
     ("ttft", ttft, "Time to first token by strategy"),
     ("ttft-context", ttft, "Time to first token of the blend candidates (encoding context)"),
     ("scaling", scaling, "TTFT vs number and length of chunks, with the query-only floor"),
+    ("decode", decode, "Decoding speed at batch 1 after turbo, beside HF's generate"),
     ("quality", quality, "Speed and fidelity on MuSiQue (whole passages)"),
     ("quality-ablation", quality, "CacheBlend refinements at recompute ratio 0.15"),
     ("quality-sinks", quality, "CacheBlend on short chunks: chunk-start sinks kept or recomputed"),
@@ -96,8 +98,10 @@ PLOTS = {
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
-# ``scaling --preset gpu`` results, one per model: ``gpu-scaling-<model>.json``.
+# ``scaling --preset gpu`` results, one per model: ``gpu-scaling-<model>.json``
+# (``decode --preset gpu``'s: ``gpu-decode-<model>.json``), after their suite's section.
 GPU_PREFIX = "gpu-scaling-"
+GPU_DECODE_PREFIX = "gpu-decode-"
 
 
 def load(results: Path) -> dict[str, dict[str, Any]]:
@@ -108,8 +112,9 @@ def load(results: Path) -> dict[str, dict[str, Any]]:
         path = results / f"{name}.json"
         if path.is_file():
             found[name] = json.loads(path.read_text())
-        if name == "scaling":
-            for gpu in sorted(results.glob(f"{GPU_PREFIX}*.json")):
+        prefix = {"scaling": GPU_PREFIX, "decode": GPU_DECODE_PREFIX}.get(name)
+        if prefix is not None:
+            for gpu in sorted(results.glob(f"{prefix}*.json")):
                 found[gpu.stem] = json.loads(gpu.read_text())
     return found
 
@@ -119,6 +124,9 @@ def section_of(name: str, payload: dict[str, Any] | None = None) -> tuple[Any, s
     if name.startswith(GPU_PREFIX):
         model = (payload or {}).get("machine", {}).get("model") or name[len(GPU_PREFIX) :]
         return scaling, f"On a GPU: TTFT from 16 to 128 chunks, {model}"
+    if name.startswith(GPU_DECODE_PREFIX):
+        model = (payload or {}).get("machine", {}).get("model") or name[len(GPU_DECODE_PREFIX) :]
+        return decode, f"On a GPU: decoding at batch 1 after turbo, {model}"
     return next((m, t) for n, m, t in SECTIONS if n == name)
 
 

@@ -74,6 +74,28 @@ def test_turbo_ops_do_not_grow_with_chunks(tiny_loaded: LoadedModel, precision: 
     assert pre.output.token_counts()[0] > 32 * 40
 
 
+@pytest.mark.parametrize("precision", ["model", "float16", "int8"])
+def test_turbo_prefill_dispatches_the_same_ops_at_4_and_16_chunks(precision: str) -> None:
+    """The whole turbo prefill (assembly, masks, the model's forward) issues exactly
+    as many torch ops over 16 cached chunks as over 4: nothing per chunk, only per
+    layer; and the forward runs lower-right, without building a mask."""
+    from tests.unit.test_families import build, chunk_kvs, ids, prompt_of
+
+    model = build("llama")
+    counts = {}
+    for n in (4, 16):
+        chunks = [(ids(12, 100 + i), "chunk") for i in range(n)]
+        prompt = prompt_of((ids(5, 1), "prefix"), *chunks, (ids(7, 2), "text"))
+        kvs = chunk_kvs(model, prompt)
+        if precision != "model":
+            kvs = [kv.stored_as(precision) for kv in kvs]
+        TurboRAG().prefill(model, prompt, kvs)  # allocator warm
+        counts[n] = top_level_ops(lambda p=prompt, k=kvs: TurboRAG().prefill(model, p, k))
+    assert counts[16] == counts[4], counts[16] - counts[4] or counts[4] - counts[16]
+    assert counts[16]["aten::scaled_dot_product_attention"] == model.layout.num_layers
+    assert counts[16]["aten::masked_fill_"] == 0  # no additive mask built
+
+
 class Recording:
     """A tokenizer backend that records the texts it encodes, then encodes them."""
 

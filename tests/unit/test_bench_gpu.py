@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kvrag_integrations import Chunk, KVRAGEngine, Text
-from kvrag_integrations.bench import report, scaling, shapes
+from kvrag_integrations.bench import decode, report, scaling, shapes
 from kvrag_integrations.bench.__main__ import (
     out_dir,
     parser,
@@ -86,6 +87,17 @@ def test_gpu_preset_sizes_and_file_names(engine: KVRAGEngine) -> None:
     assert out_dir(args_of("--out", "x"), engine) == "x"
 
 
+def gpu_section(module: Any, suite: str, payload: dict, folder: Path) -> str:
+    """The report's section of ``payload`` written as a GPU run's file (the only one found)."""
+    payload["machine"] = {"model": "tiny-llama (dummy weights)", "gpu": "NVIDIA H100"}
+    payload["command"] = f"python -m kvrag_integrations.bench {suite} --preset gpu"
+    name = f"gpu-{suite}-tiny-llama"
+    write_results(folder, name, payload, module.table(payload))
+    found = report.load(folder)
+    assert list(found) == [name]
+    return report.section(name, found[name])
+
+
 def test_gpu_preset_smoke_run_and_report(engine: KVRAGEngine, tmp_path: Path) -> None:
     """Every row the preset promises is measured at every count, from each store, and
     the report renders the file as a GPU section after the scaling one."""
@@ -96,12 +108,34 @@ def test_gpu_preset_smoke_run_and_report(engine: KVRAGEngine, tmp_path: Path) ->
     assert [p["n_chunks"] for p in payload["chunks"]] == options["counts"]
     for point in payload["chunks"]:
         assert set(point["ttft_ms"]) == set(rows) and point["floor_ms"] > 0
-    payload["machine"] = {"model": "tiny-llama (dummy weights)", "gpu": "NVIDIA H100"}
-    payload["command"] = "python -m kvrag_integrations.bench scaling --preset gpu"
-    write_results(tmp_path, "gpu-scaling-tiny-llama", payload, scaling.table(payload))
-    found = report.load(tmp_path)
-    assert list(found) == ["gpu-scaling-tiny-llama"]
-    text = report.section("gpu-scaling-tiny-llama", found["gpu-scaling-tiny-llama"])
+    text = gpu_section(scaling, "scaling", payload, tmp_path)
     assert text.startswith("## On a GPU: TTFT from 16 to 128 chunks, tiny-llama (dummy weights)")
     assert "turbo(store=tiered)" in text and "chunk length" not in text
     assert json.loads((tmp_path / "gpu-scaling-tiny-llama.json").read_text())["chunks"]
+
+
+def test_decode_suite_preset_smoke_run_and_report(tiny_loaded: LoadedModel, tmp_path: Path) -> None:
+    """``bench decode``: the gpu preset's sizes (~4k and ~16k tokens, 65 new tokens);
+    at smoke size on a dummy shape, every length is measured for the engine and HF's
+    generate (which decodes every token asked), and the report renders it."""
+    gpu = preset_options(decode, parser().parse_args(["decode", "--preset", "gpu"]))
+    assert gpu["lengths"] == [4096, 16384] and gpu["max_new_tokens"] == 65
+    quick_args = parser().parse_args(["decode", "--preset", "gpu", "--quick"])
+    options = suite_options(decode, quick_args)
+    assert max(options["lengths"]) < 256 and options["max_new_tokens"] < 65
+    loaded = shapes.dummy_model("tiny-llama", "cpu", tokenizer=tiny_loaded.tokenizer)
+    engine = KVRAGEngine(loaded, cache_precision="model", on_miss="encode")
+    payload = decode.run(engine, load_items(None, 2), **options)
+    assert [p["target_tokens"] for p in payload["points"]] == options["lengths"]
+    for point in payload["points"]:
+        assert point["prompt_tokens"] >= point["target_tokens"]
+        assert point["hf"]["generated"] == options["max_new_tokens"]
+        assert 1 <= point["engine"]["generated"] <= options["max_new_tokens"]
+        assert isinstance(point["engine"]["ms_per_token"], float)  # (a smoke run times nothing)
+    named = parser().parse_args(
+        ["decode", "--preset", "gpu", "--model", "llama-3.1-8b", "--dummy-weights"]
+    )
+    assert result_name("decode", named, engine) == "gpu-decode-llama-3.1-8b"
+    text = gpu_section(decode, "decode", payload, tmp_path)
+    assert text.startswith("## On a GPU: decoding at batch 1 after turbo, tiny-llama")
+    assert "HF generate ms/token" in text

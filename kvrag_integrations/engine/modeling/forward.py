@@ -15,7 +15,10 @@ scaling) with three things of ours:
 - a 4D additive mask per layer type, by sequence index: a computed token sees
   exactly the keys at indices <= its own, within the layer's window. (The
   reference CacheBlend code aligns the causal mask bottom-right, which lets a
-  mid-sequence token see later keys.)
+  mid-sequence token see later keys.) Where the computed rows are a contiguous
+  tail, that is exactly lower-right causal: layer types whose window does not
+  cut in then get no mask tensor, and SDPA runs lower-right
+  (``engine.modeling.lower_right``, on SDPA models).
 
 A per-layer plug-in (``on_update``) sees each layer's fresh K/V before they
 are written and says which to write; ``stop_after`` ends the forward once a
@@ -25,6 +28,7 @@ layer has written (CacheBlend's selection pass stops at its check layer).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +41,11 @@ from kvrag_integrations.engine.modeling.hf_compat import (
     model_mask,
 )
 from kvrag_integrations.engine.modeling.layout import ModelLayout
+from kvrag_integrations.engine.modeling.lower_right import (
+    can_take,
+    lower_right_forward,
+    placeholder,
+)
 from kvrag_integrations.errors import UnsupportedModelError
 
 
@@ -179,11 +188,18 @@ def visible(rows: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
 
 
 def additive_masks(
-    layout: ModelLayout, rows: torch.Tensor, total: int, dtype: torch.dtype
+    layout: ModelLayout,
+    rows: torch.Tensor,
+    total: int,
+    dtype: torch.dtype,
+    skip: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """One 4D additive mask ``[1, 1, rows, total]`` per layer type (sdpa and eager take it)."""
+    """One 4D additive mask ``[1, 1, rows, total]`` per layer type (sdpa and eager
+    take it), but for the types in ``skip``."""
     masks = {}
     for layer_type, window in dict(zip(layout.layer_types, layout.windows)).items():
+        if layer_type in skip:
+            continue
         seen = visible(rows, total, window)
         mask = torch.zeros(seen.shape, dtype=dtype, device=rows.device)
         masks[layer_type] = mask.masked_fill_(~seen, torch.finfo(dtype).min)[None, None]
@@ -242,19 +258,40 @@ def _forward(
 ) -> torch.Tensor | None:
     writer = _BufferWriter(kv, rows, on_update, stop_after)
     if writer.end == rows.numel():  # rows are 0..n-1: a plain prefill
-        cache, mask = _whole_prefix_cache(writer), None
+        cache, mask, lower_right = _whole_prefix_cache(writer), None, False
     else:
         cache = PromptCache(writer)
-        mask = model_mask(additive_masks(layout, rows, writer.end, kv.dtype))
+        mask, lower_right = _masks(lm, layout, rows, writer.end, kv.dtype)
     try:
-        out = lm(
-            input_ids=kv.input_ids.to(rows.device)[rows][None],
-            position_ids=kv.positions.to(rows.device)[rows][None],
-            attention_mask=mask,
-            **cache_argument(lm, cache),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with lower_right_forward(lm) if lower_right else nullcontext():
+            out = lm(
+                input_ids=kv.input_ids.to(rows.device)[rows][None],
+                position_ids=kv.positions.to(rows.device)[rows][None],
+                attention_mask=mask,
+                **cache_argument(lm, cache),
+                use_cache=True,
+                logits_to_keep=1,
+            )
     except StopForward:
         return None
     return out.logits[0, -1].float()
+
+
+def _masks(
+    lm: Any, layout: ModelLayout, rows: torch.Tensor, end: int, dtype: torch.dtype
+) -> tuple[Any, bool]:
+    """The forward's ``attention_mask`` and whether any layer type runs lower-right.
+
+    Rows ``end-n..end-1`` (a contiguous tail) see exactly the keys at indices <=
+    their own: lower-right causal, unless a layer's window cuts in (some row
+    farther than its window from key 0): that type keeps its additive mask.
+    """
+    n = rows.numel()
+    tail = end - n == int(rows[0])  # rows are sorted and distinct
+    exact = {t for t, w in zip(layout.layer_types, layout.windows) if w is None or w >= end}
+    if not (tail and exact and can_take(lm)):
+        return model_mask(additive_masks(layout, rows, end, dtype)), False
+    masks = additive_masks(layout, rows, end, dtype, skip=exact)
+    for layer_type in exact:
+        masks[layer_type] = placeholder(n, end, dtype, rows.device)
+    return model_mask(masks), True

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import AttentionInterface, Cache, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "output_cache",
     "prefer_grouped_sdpa",
     "register_attention",
+    "register_attention_like",
     "rope_parameters",
     "rotary_cos_sin",
     "rotary_inv_freq",
@@ -177,6 +179,14 @@ def prefer_grouped_sdpa() -> None:
 def register_attention(name: str, function: Callable[..., Any]) -> None:
     """Register an attention function under ``name`` (``AttentionInterface``)."""
     AttentionInterface.register(name, function)
+
+
+def register_attention_like(name: str, function: Callable[..., Any], like: str) -> None:
+    """Register an attention function under ``name`` whose masks the model builds as
+    for ``like`` (its mask function): a forward that passes no mask of its own (a
+    decoding step, the reranker's padded batch) gets the masks ``like`` would get."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[like])
 
 
 def attention_function(name: str, module: Any) -> Callable[..., Any]:

@@ -1,0 +1,146 @@
+"""Decoding speed at batch 1 after a turbo prefill: the engine beside HF's own ``generate``.
+
+For each prompt length (chunks of ``chunk_tokens`` tokens after the chat
+template, a question after them), ms per decoded token is
+``(t(N tokens) - t(1 token)) / (generated - 1)``: the prefill (and TTFT) cancel
+out, what is left is the decoding steps. The engine answers with turbo over its
+stored chunks (``generate(strategy="turbo")``); HF's own ``generate`` (greedy,
+``min_new_tokens`` so it never stops early) runs on the same prompt's token ids,
+from its own prefill. Both are medians of ``repeats`` runs after a warm-up.
+
+The ``gpu`` preset is ~4k and ~16k prompt tokens (16 and 64 chunks of 256
+tokens) with 65 new tokens: what issue 46 measures (the Llama-3.1-8B shape,
+``--dummy-weights``, bfloat16); its files are ``gpu-decode-<model>``.
+
+Examples:
+    python -m kvrag_integrations.bench decode --lengths 1024,4096
+    python -m kvrag_integrations.bench decode --preset gpu --model llama-3.1-8b --dummy-weights
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, sync, timed
+
+QUICK = {"lengths": [48, 96], "chunk_tokens": 16, "max_new_tokens": 5, "repeats": 1, "items": 2}
+PRESETS: dict[str, Any] = {"gpu": None}  # sizes only (PRESET_OPTIONS)
+PRESET_OPTIONS = {
+    "gpu": {"lengths": [4096, 16384], "chunk_tokens": 256, "max_new_tokens": 65,
+            "repeats": 3, "items": 20},
+}  # fmt: skip
+QUICK_PRESET = {"gpu": {"lengths": [48, 96], "chunk_tokens": 16, "items": 2}}
+
+
+def _per_token_ms(t1: float, tn: float, generated: int) -> float:
+    return (tn - t1) / max(generated - 1, 1) * 1000
+
+
+def engine_decode(
+    engine: Any, question: str, chunks: list[str], new_tokens: int, repeats: int
+) -> dict[str, Any]:
+    """The engine's ms per decoded token after turbo over ``chunks`` (stored first)."""
+    engine.encode_chunks(chunks, show_progress=False)
+    request = dict(question=question, chunks=chunks, strategy="turbo")
+
+    def answer(n: int) -> Any:
+        result = engine.generate(max_new_tokens=n, **request)
+        sync(engine)
+        return result
+
+    t1, _ = timed(lambda: answer(1), repeats)
+    tn, result = timed(lambda: answer(new_tokens), repeats)
+    generated = int(result.generated_tokens)
+    return {"ms_per_token": _per_token_ms(t1, tn, generated), "generated": generated,
+            "ttft_ms": t1 * 1000}  # fmt: skip
+
+
+@torch.no_grad()
+def hf_decode(engine: Any, ids: torch.Tensor, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """HF ``generate``'s ms per decoded token on the prompt ``ids`` (greedy, no early stop)."""
+    lm, loaded = engine.model, engine.loaded
+    prompt = ids.to(engine.device)[None]
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer is not None else None
+
+    def answer(n: int) -> int:
+        with loaded.lock:
+            out = lm.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        sync(engine)
+        return int(out.shape[1] - prompt.shape[1])
+
+    t1, _ = timed(lambda: answer(1), repeats)
+    tn, generated = timed(lambda: answer(new_tokens), repeats)
+    return {"ms_per_token": _per_token_ms(t1, tn, generated), "generated": generated}
+
+
+def run(
+    engine: Any,
+    items: list[RagItem],
+    *,
+    lengths: list[int] | None = None,
+    chunk_tokens: int = 256,
+    max_new_tokens: int = 65,
+    repeats: int = 3,
+    hf: bool = True,
+) -> dict[str, Any]:
+    """ms per decoded token at each prompt length, the engine's and HF's.
+
+    Args:
+        engine: a loaded ``KVRAGEngine``.
+        items: MuSiQue-style items: their passages are the chunks, the first
+            one's question the question.
+        lengths: target prompt lengths in tokens (default 4096 and 16384); one
+            over the context window, or beyond the passages at hand, is skipped.
+        chunk_tokens: tokens per chunk.
+        max_new_tokens: tokens decoded in the long run (the short one decodes 1).
+        repeats: timed runs per measurement, after one warm-up.
+        hf: also time HF's ``generate`` on the same prompt.
+    """
+    question = items[0].question
+    pool = chunk_pool(engine.tokenizer, items, chunk_tokens)
+    limit = engine.context_window - max_new_tokens
+    points = []
+    for target in [4096, 16384] if lengths is None else lengths:
+        n = max(1, round(target / chunk_tokens))
+        chunks = pool[:n]
+        prompt = engine.tokenize(engine.build_segments(question=question, chunks=chunks))
+        if len(chunks) < n or prompt.num_tokens > limit:
+            continue  # too few passages that long, or over the window
+        point = {
+            "target_tokens": target,
+            "prompt_tokens": prompt.num_tokens,
+            "n_chunks": n,
+            "engine": engine_decode(engine, question, chunks, max_new_tokens, repeats),
+        }
+        if hf:
+            point["hf"] = hf_decode(engine, prompt.input_ids, max_new_tokens, repeats)
+            point["engine_over_hf"] = point["engine"]["ms_per_token"] / point["hf"]["ms_per_token"]
+        points.append(point)
+    return {"chunk_tokens": chunk_tokens, "max_new_tokens": max_new_tokens,
+            "repeats": repeats, "points": points}  # fmt: skip
+
+
+def table(payload: dict[str, Any]) -> str:
+    """ms per decoded token (median), engine and HF ``generate``, per prompt length
+    (``max_new_tokens`` decoded: the report's setup line says how many)."""
+    rows = []
+    for p in payload["points"]:
+        hf = p.get("hf", {}).get("ms_per_token")
+        rows.append([
+            int(p["prompt_tokens"]), p["n_chunks"], round(p["engine"]["ttft_ms"], 1),
+            round(p["engine"]["ms_per_token"], 2), p["engine"]["generated"],
+            "-" if hf is None else round(hf, 2),
+            "-" if hf is None else f"{p['engine_over_hf']:.2f}x",
+        ])  # fmt: skip
+    headers = ["prompt tokens", "chunks", "engine TTFT (turbo, ms)", "engine ms/token",
+               "engine tokens", "HF generate ms/token", "engine / HF"]  # fmt: skip
+    return markdown_table(headers, rows)
