@@ -320,9 +320,13 @@ def test_overwrite_needs_an_admin_key(target: Target, musique: Corpus) -> None:
 
 # ------------------------------------------------------ prefix-cache pollution
 @pytest.mark.parametrize("salt", [None, "someone-elses-salt", "kvrag-turbo-guessed"])
-def test_a_load_under_a_salt_not_its_own_loads_nothing(
+def test_a_load_under_a_salt_not_its_own_pollutes_nothing(
     target: Target, musique: Corpus, salt: str | None
 ) -> None:
+    # A load whose salt names no tenant of its own runs as an anonymous request:
+    # it reads the shared namespace (what every caller may read) under a salt of
+    # its own (``Grant.anonymous``), so no block it loads reaches another request.
+    # What must hold is the victim's exact answer, whatever the load did.
     item, chunks = musique.item(53), musique.chunks(53, 2, tag=f"salt-{salt}")
     target.honest.encode_chunks(chunks, show_progress=False)
     honest_answer(target, item.question, chunks)  # every piece stored, the head included
@@ -335,8 +339,7 @@ def test_a_load_under_a_salt_not_its_own_loads_nothing(
     body: dict[str, Any] = {"prompt": ids, "kv_transfer_params": {"kvrag": {"load": layout}}}
     if salt is not None:
         body["cache_salt"] = salt
-    reply = target.post(body)
-    assert reply["kv_transfer_params"]["kvrag"]["loaded"] == 0
+    target.post(body)
     after = target.first_logprobs(ids, salt)  # the same tokens, as the victim sends them
     assert max_logprob_gap(after, target.exact(ids)) < 1e-5
 
