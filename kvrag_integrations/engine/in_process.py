@@ -26,7 +26,7 @@ from kvrag_integrations.engine.caching.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.caching.entries import Miss
 from kvrag_integrations.engine.modeling.generate import decode, top_logprobs
 from kvrag_integrations.engine.modeling.model import LoadedModel
-from kvrag_integrations.engine.modeling.tool_constraint import ForcedCall
+from kvrag_integrations.engine.modeling.tool_constraint import ForcedCall, schema_keys
 from kvrag_integrations.engine.prompting.segments import TokenizedPrompt, cache_leading_text
 from kvrag_integrations.engine.prompting.tools import forced_start
 from kvrag_integrations.engine.request import Request
@@ -121,7 +121,9 @@ def _constraint(engine: InProcessEngine, request: Request) -> ForcedCall | None:
     _, heads, written = forced_start(plan)
     schema = plan.schemas[plan.forced[0]] if len(plan.forced) == 1 else {}
     one_key = len(schema.get("properties") or {}) == 1
-    return ForcedCall(engine.tokenizer, heads, request.sampling.greedy, written, one_key)
+    keys = [schema_keys(plan.schemas[name]) for name in plan.forced]  # one per head
+    greedy = request.sampling.greedy
+    return ForcedCall(engine.tokenizer, heads, greedy, written, one_key, keys=keys)
 
 
 def plan_prefill(engine: InProcessEngine, request: Request) -> Callable[[], PrefillResult]:

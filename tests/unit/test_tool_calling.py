@@ -122,3 +122,62 @@ def test_auto_text_streams_and_none_renders_no_tools(engine: KVRAGEngine) -> Non
         messages=HISTORY[:1], tools=[SEARCH_TOOL], tool_choice="none", max_new_tokens=1
     )
     assert result.prompt_tokens == engine.tokenize(none).num_tokens
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get weather at a location.",
+        "parameters": {
+            "type": "object",
+            "properties": {"location": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["location"],
+        },
+    },
+}
+NO_ARGS_TOOL = {  # LangChain's schema of a tool without parameters
+    "type": "function",
+    "function": {
+        "name": "magic_function_no_args",
+        "description": "Calculate a magic function.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+
+
+@pytest.mark.parametrize("max_new_tokens", [3, 7, 16])
+def test_a_forced_call_among_several_tools_parses_whenever_it_stops(
+    engine: KVRAGEngine, max_new_tokens: int
+) -> None:
+    # "required" with several tools: the model picks the name, then the arguments;
+    # cut short anywhere (even after a key's colon) it still closes into one call.
+    tools = [SEARCH_TOOL, WEATHER_TOOL, NO_ARGS_TOOL]
+    allowed = {t["function"]["name"]: set(t["function"]["parameters"]["properties"]) for t in tools}
+    result = engine.generate(
+        messages=HISTORY[:1], tools=tools, tool_choice="required", max_new_tokens=max_new_tokens
+    )
+    assert len(result.tool_calls) == 1
+    call = result.tool_calls[0]
+    assert call.name in allowed
+    assert isinstance(call.arguments, dict) and set(call.arguments) <= allowed[call.name]
+
+
+@pytest.mark.parametrize("choice", ["required", "magic_function_no_args"])
+def test_a_forced_call_of_a_tool_without_parameters_has_empty_arguments(
+    engine: KVRAGEngine, choice: str
+) -> None:
+    result = engine.generate(
+        messages=HISTORY[:1], tools=[NO_ARGS_TOOL], tool_choice=choice, max_new_tokens=16
+    )
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("magic_function_no_args", {})]
+
+
+def test_a_call_cut_after_a_keys_colon_closes_into_valid_json() -> None:
+    from kvrag_integrations.engine.modeling.tool_constraint import close_call
+
+    cut = '{"name": "get_weather", "arguments": {\n    "location": {\n        "name":'
+    assert json.loads(close_call(cut)) == {
+        "name": "get_weather",
+        "arguments": {"location": {"name": None}},
+    }

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,16 +42,34 @@ def _string_end(text: str, i: int) -> int | None:
     return None
 
 
-def json_object_end(text: str, one_key: bool = False) -> int | None:
+def _key_ok(raw: str, keys: Sequence[str] | None) -> bool:
+    """Whether the JSON string ``raw`` (closed or still open) is, or begins, one of
+    ``keys`` (None: any key)."""
+    if keys is None:
+        return True
+    if raw.endswith('"') and len(raw) > 1:
+        try:
+            return json.loads(raw) in keys
+        except json.JSONDecodeError:
+            return False
+    return any(json.dumps(k, ensure_ascii=a).startswith(raw) for k in keys for a in (True, False))
+
+
+def json_object_end(
+    text: str, one_key: bool = False, keys: Sequence[str] | None = None
+) -> int | None:
     """Where the JSON object that ``text`` starts with ends (index past its ``}``);
     None while ``text`` is a valid unfinished prefix of one; -1 if it cannot be one.
-    ``one_key``: the object holds one key (a second is invalid).
+    ``one_key``: the object holds one key (a second is invalid). ``keys``: the
+    object's keys must be among these (None: any; empty: only ``{}``).
 
     Examples:
         >>> json_object_end('{"q": [1, "a"]} tail'), json_object_end('{"q": tr')
         (15, None)
         >>> json_object_end("["), json_object_end('{"q": 01}')
         (-1, -1)
+        >>> json_object_end('{"x', keys=["q"]), json_object_end("{}", keys=[])
+        (-1, 2)
     """
     stack: list[str] = []
     expect = "value"
@@ -99,8 +117,13 @@ def json_object_end(text: str, one_key: bool = False) -> int | None:
                 expect = "after"
             elif c == '"':
                 end = _string_end(text, i)
-                if end is None or end == -1:
+                if end == -1:
                     return end
+                top_key = keys is not None and len(stack) == 1
+                if top_key and not _key_ok(text[i : end or n], keys):
+                    return -1
+                if end is None:
+                    return None
                 i, expect = end, "colon"
             else:
                 return -1
@@ -126,9 +149,15 @@ def json_object_end(text: str, one_key: bool = False) -> int | None:
     return None
 
 
-def call_state(text: str, heads: Sequence[str], one_key: bool = False) -> str:
+def call_state(
+    text: str,
+    heads: Sequence[str],
+    one_key: bool = False,
+    keys: Sequence[Sequence[str] | None] | None = None,
+) -> str:
     """``"done"``, ``"more"`` (a valid prefix) or ``"bad"``: is ``text`` one of
-    ``heads``, then a JSON object, then ``}``?
+    ``heads``, then a JSON object, then ``}``? ``keys[i]``: the keys the object
+    may hold after ``heads[i]`` (``schema_keys``; None: any).
 
     Examples:
         >>> heads = ['search", "arguments": ']
@@ -137,7 +166,8 @@ def call_state(text: str, heads: Sequence[str], one_key: bool = False) -> str:
         >>> call_state('find', heads)
         'bad'
     """
-    for head in heads:
+    for h, head in enumerate(heads):
+        allowed = keys[h] if keys is not None else None
         if len(text) <= len(head):
             if head.startswith(text):
                 return _MORE
@@ -145,7 +175,7 @@ def call_state(text: str, heads: Sequence[str], one_key: bool = False) -> str:
         if not text.startswith(head):
             continue
         rest = text[len(head) :]
-        end = json_object_end(rest, one_key)
+        end = json_object_end(rest, one_key or (allowed is not None and len(allowed) == 1), allowed)
         if end is None:
             return _MORE
         if end == -1:
@@ -156,6 +186,25 @@ def call_state(text: str, heads: Sequence[str], one_key: bool = False) -> str:
         if tail == "}":
             return _DONE
     return _BAD
+
+
+def schema_keys(schema: Any) -> tuple[str, ...] | None:
+    """The keys a tool's arguments may hold: its schema's properties (none: only
+    ``{}``), unless it allows additional properties; None: any keys.
+
+    Examples:
+        >>> schema_keys({"properties": {"q": {}}}), schema_keys({"properties": {}})
+        (('q',), ())
+        >>> schema_keys({"type": "object"}), schema_keys({"additionalProperties": True})
+        (None, None)
+    """
+    if not isinstance(schema, Mapping):
+        return None
+    props = schema.get("properties")
+    extra = schema.get("additionalProperties")
+    if extra not in (None, False) or (props is None and extra is None):
+        return None
+    return tuple(props or ())
 
 
 class ForcedCall:
@@ -169,6 +218,7 @@ class ForcedCall:
             ``width`` likeliest).
         written: the arguments' start the prompt already holds.
         one_key: the arguments hold one key (the tool's schema has one property).
+        keys: per head, the keys its arguments may hold (``schema_keys``).
     """
 
     def __init__(
@@ -179,8 +229,10 @@ class ForcedCall:
         written: str = "",
         one_key: bool = False,
         width: int = 64,
+        keys: Sequence[Sequence[str] | None] | None = None,
     ) -> None:
         self.one_key = one_key
+        self.keys = keys
         self.tokenizer = tokenizer
         self.heads = list(heads)
         self.greedy = greedy
@@ -210,7 +262,7 @@ class ForcedCall:
                 piece = self._piece(token)
                 if not piece or "\ufffd" in piece:
                     continue
-                if call_state(self.text + piece, self.heads, self.one_key) != _BAD:
+                if call_state(self.text + piece, self.heads, self.one_key, self.keys) != _BAD:
                     allowed.append(token)
                     if self.greedy:
                         break
@@ -224,18 +276,23 @@ class ForcedCall:
     def push(self, token: int) -> bool:
         """Record the chosen token; True once the call is complete (decoding stops)."""
         self.text += self._piece(token)
-        self.done = call_state(self.text, self.heads, self.one_key) == _DONE
+        self.done = call_state(self.text, self.heads, self.one_key, self.keys) == _DONE
         return self.done
 
 
 def close_call(text: str) -> str:
     """A forced call cut short (``max_new_tokens``) closed into valid JSON: the open
-    string and containers closed (a dangling key gets ``null``); ``text`` as is
-    when it is not a JSON prefix this can close.
+    string and containers closed (a dangling key gets ``null``, or ``{}`` at the
+    call's level: its arguments); ``text`` as is when it is not a JSON prefix
+    this can close.
 
     Examples:
         >>> close_call('{"name": "f", "arguments": {"q": "abc')
         '{"name": "f", "arguments": {"q": "abc"}}'
+        >>> close_call('{"name": "f", "arguments": {"q": {"n":')
+        '{"name": "f", "arguments": {"q": {"n": null}}}'
+        >>> close_call('{"name": "f", "arguments": ')
+        '{"name": "f", "arguments": {}}'
     """
     stack: list[str] = []
     in_string = escaped = False
@@ -257,7 +314,10 @@ def close_call(text: str) -> str:
     head = text[:-1] if escaped else text
     head += '"' if in_string else ""
     bare = head.rstrip().rstrip(",:").rstrip()
-    for attempt in (head + closers, head + ": null" + closers, bare + closers):
+    # A key without its value: the call's own (its arguments) an object, others null.
+    value = "{}" if len(stack) == 1 else "null"
+    attempts = (f"{head}: {value}", f"{head.rstrip()} {value}", bare)
+    for attempt in (head + closers, *(a + closers for a in attempts)):
         try:
             json.loads(attempt)
         except json.JSONDecodeError:

@@ -179,5 +179,7 @@ def _message(
             raise TypeError("tool_calls must be a list of OpenAI tool call dicts")
         extra["tool_calls"] = template_tool_calls(calls)
     content = message["content"]
+    if content is None and not calls:  # None is legitimate only beside tool calls
+        raise TypeError("message content must be a string (None only with tool_calls)")
     segments = message_segments("" if content is None else content, chunk_index, known_chunks)
     return (role, segments), extra
