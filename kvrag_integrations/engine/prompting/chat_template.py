@@ -119,7 +119,8 @@ def render_chat(
     Args:
         tokenizer: a tokenizer with ``chat_template``.
         messages: ``(role, segments)`` pairs, e.g. ``[("user", [Text("Q"), Chunk(c)])]``.
-        tools, extras: as ``render_slots``'s (tools rendered by the template).
+        tools: JSON-schema tools the template renders, as ``render_slots``'s.
+        extras: extra template variables, as ``render_slots``'s.
     """
     slotted: list[SlottedMessage] = []
     slots: list[Segment] = []
