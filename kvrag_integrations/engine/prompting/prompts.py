@@ -28,6 +28,7 @@ from kvrag_integrations.engine.prompting.tools import (
     ToolPlan,
     call_text,
     fallback_system_text,
+    template_ids,
     template_tool_calls,
     tool_format,
 )
@@ -87,6 +88,7 @@ def build_segments(
         fmt = tools.format if tools is not None else tool_format(tokenizer)
         for m in messages:
             message, extra = _message(m, chunk_index, known_chunks)
+            extra = template_ids(fmt, extra)
             if "tool_calls" in extra and not (chat_template and fmt.native):
                 calls = call_text(fmt, extra.pop("tool_calls"))
                 content = list(message[1])
