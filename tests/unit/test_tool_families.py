@@ -152,8 +152,14 @@ def family(request: pytest.FixtureRequest, tiny_loaded: LoadedModel) -> tuple[st
 
 
 def _text(engine: KVRAGEngine, messages: list[dict[str, Any]]) -> tuple[str, list]:
+    return _text_of(engine, messages, [TOWER])
+
+
+def _text_of(
+    engine: KVRAGEngine, messages: list[dict[str, Any]], known: list[str]
+) -> tuple[str, list]:
     plan = plan_tools(engine.tokenizer, [SEARCH_TOOL], None)
-    segs = engine.build_segments(messages=messages, known_chunks=[TOWER], tools=plan)
+    segs = engine.build_segments(messages=messages, known_chunks=known, tools=plan)
     return "".join(s.text for s in segs), segs
 
 
@@ -280,3 +286,29 @@ def test_a_forced_call_parses_and_goes_back_through_the_template(
     text, segs = _text(engine, history)
     assert Chunk(TOWER) in segs
     assert json.dumps(result.tool_calls[0].arguments["query"], ensure_ascii=False)[1:-1] in text
+
+
+def test_a_tool_result_the_template_escapes_is_its_text_not_a_chunk(
+    tiny_loaded: LoadedModel,
+) -> None:
+    """Llama 3.1 writes a tool result as a JSON string: a document with a newline
+    or a quote comes out escaped, so it cannot be its stored cache's tokens. It is
+    then written in place (not reused) and the prompt is still the template's own."""
+    if "llama3.1" not in _ENGINES:
+        _ENGINES["llama3.1"] = _engine("llama3.1", tiny_loaded.tokenizer)
+    engine = _ENGINES["llama3.1"]
+    doc = 'The "Iron Lady" was finished in 1889.\nIt is 330 m tall.'
+    messages = copy.deepcopy(SECOND_CALL)
+    messages[3]["content"] = doc
+    text, segs = _text_of(engine, messages, [doc, TOWER])
+    assert Chunk(doc) not in segs
+    assert json.dumps(doc) in text
+    own = copy.deepcopy(messages)
+    own[2]["tool_calls"][0]["function"]["arguments"] = {"query": "tower"}
+    assert text == engine.tokenizer.apply_chat_template(
+        own, tools=[SEARCH_TOOL], tokenize=False, add_generation_prompt=True
+    )
+    # The same document in the user's message (not escaped there) stays a chunk.
+    messages[1]["content"] = doc
+    _, segs = _text_of(engine, messages[:2], [doc])
+    assert Chunk(doc) in segs

@@ -178,7 +178,7 @@ def _render_in_place(
                     chunks.append(seg)
                     owners.append(m)
                     continue
-                if not seg.markup and any(c in seg.text for c in controls):
+                if not getattr(seg, "markup", False) and any(c in seg.text for c in controls):
                     raise ValueError(
                         "this chat template rewrites message text, so a control-token "
                         f"string in it ({next(c for c in controls if c in seg.text)!r}) "
