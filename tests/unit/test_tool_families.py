@@ -25,23 +25,28 @@ import pytest
 import torch
 import transformers
 from corpus import SEARCH_TOOL, TOWER
-from tool_templates import GEMMA3_PYTHONIC, LLAMA31, MISTRAL_V3, QWEN25
+from test_families import BASE
+from tool_templates import GEMMA3_PYTHONIC, GEMMA_IT, LLAMA31, MISTRAL_V3, QWEN25
 
 from kvrag_integrations import Chunk, KVRAGEngine
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.engine.modeling.model import LoadedModel, model_fingerprint
 from kvrag_integrations.engine.prompting.tool_parsing import parse_tool_calls
 from kvrag_integrations.engine.prompting.tools import (
+    FALLBACK,
     HERMES,
     JSON_CALL,
     LLAMA,
     MISTRAL,
+    fallback_system_text,
     mistral_call_id,
     plan_tools,
 )
 
 LLAMA_MORE = ["<|eom_id|>", "<|python_tag|>"]
 MISTRAL_MORE = ["[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+GEMMA = {"head_dim": 16, "sliding_window": 4096, "query_pre_attn_scalar": 16}
+GEMMA_TOKENS = (["<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>")
 # family -> (config class, config extras, template, control tokens, bos, eos, call format)
 FAMILIES: dict[str, tuple[str, dict[str, Any], str, list[str], str | None, str, Any]] = {
     "qwen2.5": ("Qwen2Config", {}, QWEN25, [], None, "<|im_end|>", HERMES),
@@ -77,16 +82,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, list[str], str | None, str, 
         "</s>",
         MISTRAL,
     ),
-    "gemma3": (
-        "Gemma3TextConfig",
-        {"head_dim": 16, "sliding_window": 4096, "query_pre_attn_scalar": 16},
-        GEMMA3_PYTHONIC,
-        ["<bos>", "<start_of_turn>", "<end_of_turn>"],
-        "<bos>",
-        "<end_of_turn>",
-        JSON_CALL,  # the template renders Python calls; a forced call is JSON
-    ),
+    # the template renders Python calls; a forced call is JSON
+    "gemma3": ("Gemma3TextConfig", GEMMA, GEMMA3_PYTHONIC, *GEMMA_TOKENS, JSON_CALL),
 }
+# Google's Gemma template: no tools (the fallback prompt), no system or tool role.
+GEMMA_NO_TOOLS = ("Gemma2Config", GEMMA, GEMMA_IT, *GEMMA_TOKENS, FALLBACK)
 
 CALL_ID = "call_0123456789abcdef"  # OpenAI's form, as an agent sends it back
 SYSTEM = "Answer from the documents."
@@ -111,7 +111,8 @@ _ENGINES: dict[str, KVRAGEngine] = {}
 
 
 def _engine(family: str, base: transformers.PreTrainedTokenizerBase) -> KVRAGEngine:
-    config_name, extra, template, controls, bos, eos, _ = FAMILIES[family]
+    spec = GEMMA_NO_TOOLS if family == "gemma-it" else FAMILIES[family]
+    config_name, extra, template, controls, bos, eos, _ = spec
     tok = copy.deepcopy(base)
     specials: dict[str, Any] = {"eos_token": eos}
     if controls:
@@ -120,23 +121,23 @@ def _engine(family: str, base: transformers.PreTrainedTokenizerBase) -> KVRAGEng
         specials["bos_token"] = bos
     tok.add_special_tokens(specials)
     tok.chat_template = template
-    config = getattr(transformers, config_name)(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.2,  # large weights: a wrong cache shows in the logits
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
-        **extra,
+    config = getattr(transformers, config_name)(  # test_families' tiny shape, 2 layers
+        **{
+            **BASE,
+            "vocab_size": len(tok),
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 2048,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+            "tie_word_embeddings": True,
+            **extra,
+        }
     )
     torch.manual_seed(0)
-    lm = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    attn = {"attn_implementation": "eager"} if config_name == "Gemma2Config" else {}
+    lm = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn)
+    lm.eval()
     fp = model_fingerprint(lm, tok, torch.float32)
     loaded = LoadedModel(
         lm, tok, f"tiny-{family}", fp, torch.device("cpu"), torch.float32, ModelLayout.of(lm)
@@ -144,11 +145,15 @@ def _engine(family: str, base: transformers.PreTrainedTokenizerBase) -> KVRAGEng
     return KVRAGEngine(loaded, on_miss="encode", cache_precision="model")
 
 
+def _cached(name: str, tiny_loaded: LoadedModel) -> KVRAGEngine:
+    if name not in _ENGINES:
+        _ENGINES[name] = _engine(name, tiny_loaded.tokenizer)
+    return _ENGINES[name]
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest, tiny_loaded: LoadedModel) -> tuple[str, KVRAGEngine]:
-    if request.param not in _ENGINES:
-        _ENGINES[request.param] = _engine(request.param, tiny_loaded.tokenizer)
-    return request.param, _ENGINES[request.param]
+    return request.param, _cached(request.param, tiny_loaded)
 
 
 def _text(engine: KVRAGEngine, messages: list[dict[str, Any]]) -> tuple[str, list]:
@@ -294,9 +299,7 @@ def test_a_tool_result_the_template_escapes_is_its_text_not_a_chunk(
     """Llama 3.1 writes a tool result as a JSON string: a document with a newline
     or a quote comes out escaped, so it cannot be its stored cache's tokens. It is
     then written in place (not reused) and the prompt is still the template's own."""
-    if "llama3.1" not in _ENGINES:
-        _ENGINES["llama3.1"] = _engine("llama3.1", tiny_loaded.tokenizer)
-    engine = _ENGINES["llama3.1"]
+    engine = _cached("llama3.1", tiny_loaded)
     doc = 'The "Iron Lady" was finished in 1889.\nIt is 330 m tall.'
     messages = copy.deepcopy(SECOND_CALL)
     messages[3]["content"] = doc
@@ -312,3 +315,34 @@ def test_a_tool_result_the_template_escapes_is_its_text_not_a_chunk(
     messages[1]["content"] = doc
     _, segs = _text_of(engine, messages[:2], [doc])
     assert Chunk(doc) in segs
+
+
+def test_a_template_without_tools_system_or_tool_roles_takes_the_agents_second_call(
+    tiny_loaded: LoadedModel,
+) -> None:
+    """Google's Gemma template has no tools and raises on a system or tool message:
+    the fallback prompt and system text lead the first user turn, and the tool's
+    result is a user turn of ``<tool_response>`` (the fallback format's), the
+    document still a chunk; the prompt is the template's rendering of that."""
+    engine = _cached("gemma-it", tiny_loaded)
+    assert plan_tools(engine.tokenizer, [SEARCH_TOOL], None).format == FALLBACK
+    text, segs = _text(engine, SECOND_CALL)
+    assert text.startswith(f"<start_of_turn>user\n{SYSTEM}\n\nYou may call one or more functions")
+    call = '<tool_call>\n{"name": "search", "arguments": {"query": "tower"}}\n</tool_call>'
+    assert f"<start_of_turn>model\n{call}<end_of_turn>\n" in text
+    result = f"<start_of_turn>user\n<tool_response>\n{TOWER}\n</tool_response><end_of_turn>\n"
+    assert text.endswith(result + "<start_of_turn>model\n")
+    assert Chunk(TOWER) in segs
+    system = f"{SYSTEM}\n\n{fallback_system_text([SEARCH_TOOL])}"
+    own = [
+        {"role": "user", "content": f"{system}\n\n{SECOND_CALL[1]['content']}"},
+        {"role": "assistant", "content": call},
+        {"role": "user", "content": f"<tool_response>\n{TOWER}\n</tool_response>"},
+    ]
+    assert text == engine.tokenizer.apply_chat_template(
+        own, tokenize=False, add_generation_prompt=True
+    )
+    forced = engine.generate(
+        messages=SECOND_CALL, tools=[SEARCH_TOOL], tool_choice="search", max_new_tokens=6
+    )
+    assert [c.name for c in forced.tool_calls] == ["search"]

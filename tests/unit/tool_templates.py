@@ -17,6 +17,11 @@ Each is kept verbatim (line endings normalised to ``\n``), with where it came fr
   github.com/ggml-org/llama.cpp ``tests/test-chat-template.cpp`` at commit
   06d58c3e43cff977bf3644dc1167f76c077b59cf (its "Mistral-Large-Instruct-2407
   (mistralai 'v3' template ...)" entry, C string unescaped).
+- ``GEMMA_IT``: Google's Gemma instruct template (google/gemma-7b-it; Gemma 2's
+  is the same behind a ``bos_token``): no tools, no system role, strictly
+  alternating user and model turns; from llama.cpp
+  ``tests/test-chat-template.cpp`` at the commit above (its "google/gemma-7b-it"
+  entry, C string unescaped).
 - ``GEMMA3_PYTHONIC``: Gemma 3's template with tools, as vLLM ships it for
   Gemma 3 tool calling (``--tool-call-parser pythonic``; Google's own Gemma 3
   template has no tools): github.com/vllm-project/vllm
@@ -403,3 +408,5 @@ GEMMA3_PYTHONIC = r"""{#- Begin-of-sequence token to start the model prompt -#}
 {%- if add_generation_prompt -%}
     {{'<start_of_turn>model\n'}}
 {%- endif -%}"""
+
+GEMMA_IT = r"""{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"""

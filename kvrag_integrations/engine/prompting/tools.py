@@ -5,8 +5,11 @@ Tools are OpenAI function schemas (``{"type": "function", "function": {"name",
 ``convert_to_openai_tool``, LlamaIndex's ``to_openai_tool`` and vLLM all use.
 A chat template that renders tools (``tools`` in it: Qwen2.5/3, Llama 3.1+,
 Mistral) gets them as ``apply_chat_template(..., tools=)``; one that does not
-(the bundled SmolLM2, Gemma 3) gets ``FALLBACK_TOOL_PROMPT`` in its system
-message and writes its calls as Hermes-style ``<tool_call>{json}</tool_call>``.
+(the bundled SmolLM2, Google's Gemma templates) gets ``FALLBACK_TOOL_PROMPT``
+in its system message and writes its calls as Hermes-style
+``<tool_call>{json}</tool_call>`` (a template that refuses system or tool
+messages gets them as user turns: ``prompts._user_turn_roles``). Mistral's
+templates take only 9-character call ids (``mistral_call_id``).
 
 ``ToolFormat`` is how the model writes a call (its opening and closing markup
 and the arguments' key), read off the template; ``ToolPlan`` is one request's
