@@ -3,7 +3,8 @@
 Rendering uses the tiny model's tokenizer with Qwen2.5's real template
 (``tool_templates.QWEN25``) and with no tools in its template (the fallback
 prompt); parsing takes canned outputs of each family; a forced call on the
-random tiny model must still parse (constrained decoding).
+random tiny model must still parse (constrained decoding). Each family's own
+template on a model of its architecture: test_tool_families.py.
 """
 
 from __future__ import annotations

@@ -32,7 +32,19 @@ Message = tuple[str, Sequence[Segment]]  # (role, content segments)
 
 
 def _sentinel(nonce: str, i: int) -> str:
-    return f"\x00kvrag-{nonce}-{i}\x00"
+    # Letters and digits only, so that templates that trim or JSON-escape
+    # content (``| trim``, ``| tojson``) keep it; the random nonce makes it
+    # unforgeable, the closing "y" keeps slot 1 from matching slot 10.
+    return f"kvrag{nonce}x{i}y"
+
+
+class SlotAlteredError(ValueError):
+    """The chat template dropped, repeated, altered or reordered a slot
+    (``slot``: the first one lost; None: reordered)."""
+
+    def __init__(self, message: str, slot: int | None) -> None:
+        super().__init__(message)
+        self.slot = slot
 
 
 def render_slots(
@@ -57,7 +69,8 @@ def render_slots(
         The rendered text around the slots: one more string than there are slots.
 
     Raises:
-        ValueError: the template dropped, repeated, altered or reordered a slot.
+        SlotAlteredError: (a ``ValueError``) the template dropped, repeated,
+            altered or reordered a slot.
 
     Examples:
         >>> class Tok:
@@ -89,10 +102,12 @@ def render_slots(
     for i in range(count):
         before, found, rest = rest.partition(_sentinel(nonce, i))
         if not found or _sentinel(nonce, i) in rest:
-            raise ValueError("the chat template dropped, repeated or altered a placeholder")
+            raise SlotAlteredError(
+                "the chat template dropped, repeated or altered a placeholder", i
+            )
         parts.append(before)
-    if f"\x00kvrag-{nonce}-" in rest:
-        raise ValueError("the chat template reordered the message placeholders")
+    if f"kvrag{nonce}x" in rest:
+        raise SlotAlteredError("the chat template reordered the message placeholders", None)
     parts.append(rest)
     return parts
 
@@ -128,11 +143,15 @@ def render_chat(
         filled = [seg for seg in content if seg.text]
         slotted.append((role, [SLOT] * len(filled)))
         slots += filled
-    out = _between(render_slots(tokenizer, slotted, tools, extras), slots)
     plain = [(role, ["".join(seg.text for seg in content)]) for role, content in messages]
-    if "".join(seg.text for seg in out) == render_slots(tokenizer, plain, tools, extras)[0]:
+    plain_text = render_slots(tokenizer, plain, tools, extras)[0]
+    try:
+        out = _between(render_slots(tokenizer, slotted, tools, extras), slots)
+    except SlotAlteredError:  # the template rewrites some content (``| tojson``)
+        out = None
+    if out is not None and "".join(seg.text for seg in out) == plain_text:
         return out
-    return _render_in_place(tokenizer, messages, tools, extras)
+    return _render_in_place(tokenizer, messages, tools, extras, plain_text)
 
 
 def _render_in_place(
@@ -140,27 +159,43 @@ def _render_in_place(
     messages: Sequence[Message],
     tools: Sequence[dict[str, Any]] | None,
     extras: Sequence[dict[str, Any]] | None,
+    plain_text: str,
 ) -> list[Segment]:
-    """Fallback for templates that rewrite text: only chunks are slots."""
+    """Fallback for templates that rewrite text: only chunks are slots, and only
+    in messages whose chunks the template keeps as they are (``plain_text``:
+    the template's rendering of the plain messages)."""
     controls = control_token_strings(tokenizer)
-    chunks: list[Segment] = []
-    slotted: list[SlottedMessage] = []
-    for role, content in messages:
-        items: list[str | _Slot] = []
-        for seg in content:
-            if isinstance(seg, Chunk):
-                items.append(SLOT)
-                chunks.append(seg)
-            else:
-                if not seg.markup and any(c in seg.text for c in controls):
+    slotted_messages = set(range(len(messages)))  # messages whose chunks are slots
+    while True:
+        chunks: list[Segment] = []
+        owners: list[int] = []
+        slotted: list[SlottedMessage] = []
+        for m, (role, content) in enumerate(messages):
+            items: list[str | _Slot] = []
+            for seg in content:
+                if isinstance(seg, Chunk) and m in slotted_messages:
+                    items.append(SLOT)
+                    chunks.append(seg)
+                    owners.append(m)
+                    continue
+                if not getattr(seg, "markup", False) and any(c in seg.text for c in controls):
                     raise ValueError(
                         "this chat template rewrites message text, so a control-token "
                         f"string in it ({next(c for c in controls if c in seg.text)!r}) "
                         "cannot be kept literal; remove it or pass it inside a chunk"
                     )
                 items.append(seg.text)
-        slotted.append((role, items))
-    return _between(render_slots(tokenizer, slotted, tools, extras), chunks)
+            slotted.append((role, items))
+        if not chunks:
+            return _between(render_slots(tokenizer, slotted, tools, extras), [])
+        try:
+            out = _between(render_slots(tokenizer, slotted, tools, extras), chunks)
+        except SlotAlteredError as err:  # that message's chunks: written in place
+            slotted_messages -= {owners[err.slot]} if err.slot is not None else set(owners)
+            continue
+        if "".join(seg.text for seg in out) == plain_text:
+            return out
+        slotted_messages -= set(owners)  # a chunk's text changed around its slot
 
 
 def _between(parts: Sequence[str], slots: Sequence[Segment]) -> list[Segment]:

@@ -28,6 +28,7 @@ from kvrag_integrations.engine.prompting.tools import (
     ToolPlan,
     call_text,
     fallback_system_text,
+    template_ids,
     template_tool_calls,
     tool_format,
 )
@@ -87,6 +88,7 @@ def build_segments(
         fmt = tools.format if tools is not None else tool_format(tokenizer)
         for m in messages:
             message, extra = _message(m, chunk_index, known_chunks)
+            extra = template_ids(fmt, extra)
             if "tool_calls" in extra and not (chat_template and fmt.native):
                 calls = call_text(fmt, extra.pop("tool_calls"))
                 content = list(message[1])
@@ -109,7 +111,15 @@ def build_segments(
         chat_template = False
     if chat_template:
         native = tools.tools if tools is not None and tools.format.native else None
-        return render_chat(tokenizer, chat, native, extras)
+        try:
+            return render_chat(tokenizer, chat, native, extras)
+        except (ValueError, TypeError):
+            raise
+        except Exception:  # the template refused a role (jinja2's TemplateError)
+            plain = None if native else _user_turn_roles(chat)
+            if plain is None:
+                raise
+            return render_chat(tokenizer, plain, None, [{} for _ in plain])
     flat: list[Segment] = []
     if segments is None:  # a prompt we lay out (``segments`` are the prompt as given)
         bos = leading_bos(tokenizer)
@@ -156,6 +166,38 @@ def _with_tool_prompt(
         lead = [*content, Text("\n\n")] if content else []
         return [("system", [*lead, Text(text)]), *chat[1:]], extras
     return [("system", [Text(text)]), *chat], [{}, *extras]
+
+
+def _user_turn_roles(chat: list[Message]) -> list[Message] | None:
+    """``chat`` in the roles any template takes, for a template without tools that
+    refused it (Gemma's: no system role, only alternating user and model turns).
+
+    The system text leads the first user turn, and tool results become user
+    turns of ``<tool_response>`` blocks as the fallback prompt's format
+    (Qwen2.5's) writes them; adjacent user turns are merged. None: ``chat``
+    has no system or tool message, so there is nothing to change.
+    """
+    if not any(role in ("system", "tool") for role, _ in chat):
+        return None
+    system: list[Segment] = []
+    out: list[tuple[str, list[Segment]]] = []
+    for role, content in chat:
+        if role == "system":
+            system += [*(Text("\n\n") for _ in system[:1]), *content]
+            continue
+        if role == "tool":
+            role = "user"
+            content = [Text("<tool_response>\n"), *content, Text("\n</tool_response>")]
+        if role == "user" and out and out[-1][0] == "user":
+            out[-1][1].extend([Text("\n"), *content])
+        else:
+            out.append((role, list(content)))
+    if system:
+        if out and out[0][0] == "user":
+            out[0] = ("user", [*system, Text("\n\n"), *out[0][1]])
+        else:
+            out.insert(0, ("user", system))
+    return list(out)
 
 
 # Keys of a message dict, besides role and content, that chat templates read.

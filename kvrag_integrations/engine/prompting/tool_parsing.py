@@ -8,7 +8,9 @@ read them, without vLLM (the in-process engine cannot depend on it):
   (several separated by ``;``);
 - Mistral: ``[TOOL_CALLS][{"name": .., "arguments": ..}, ...]``;
 - Gemma 3: a fenced ```` ```tool_code ```` block of Python calls
-  (``f(a=1)``), or a fenced ```` ```json ```` call object.
+  (``f(a=1)``), a fenced ```` ```json ```` call object, or a bare Python list
+  of calls (``[f(a=1), g(b="x")]``, vLLM's ``pythonic`` format, which its
+  Gemma 3 tool template asks for).
 
 ``parse_tool_calls`` returns the text left around the calls and the calls; a
 call whose JSON does not parse is left in the text (as vLLM does).
@@ -45,6 +47,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         {'q': 'a'}
         >>> parse_tool_calls("```tool_code\\nf(q='a', k=2)\\n```")[1][0].arguments
         {'q': 'a', 'k': 2}
+        >>> parse_tool_calls('[f(q="a"), g()]')[1][1].name
+        'g'
         >>> parse_tool_calls("Paris.")
         ('Paris.', [])
     """
@@ -60,7 +64,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
             lambda m: "" if _fenced(m.group(1), m.group(2), found) else m.group(0), text
         )
     elif text.lstrip().startswith(("{", "[")):
-        content = "" if _take(text, found) else text
+        pythonic = text.lstrip().startswith("[")  # JSON calls, else a list of Python calls
+        content = "" if _take(text, found) or (pythonic and _python_calls(text, found)) else text
     calls = [_call(c) for c in found]
     return content.strip() if calls else text, calls
 

@@ -5,8 +5,11 @@ Tools are OpenAI function schemas (``{"type": "function", "function": {"name",
 ``convert_to_openai_tool``, LlamaIndex's ``to_openai_tool`` and vLLM all use.
 A chat template that renders tools (``tools`` in it: Qwen2.5/3, Llama 3.1+,
 Mistral) gets them as ``apply_chat_template(..., tools=)``; one that does not
-(the bundled SmolLM2, Gemma 3) gets ``FALLBACK_TOOL_PROMPT`` in its system
-message and writes its calls as Hermes-style ``<tool_call>{json}</tool_call>``.
+(the bundled SmolLM2, Google's Gemma templates) gets ``FALLBACK_TOOL_PROMPT``
+in its system message and writes its calls as Hermes-style
+``<tool_call>{json}</tool_call>`` (a template that refuses system or tool
+messages gets them as user turns: ``prompts._user_turn_roles``). Mistral's
+templates take only 9-character call ids (``mistral_call_id``).
 
 ``ToolFormat`` is how the model writes a call (its opening and closing markup
 and the arguments' key), read off the template; ``ToolPlan`` is one request's
@@ -16,7 +19,9 @@ text the prompt ends with (the call's opening) and what the call may be.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -237,6 +242,42 @@ def template_tool_calls(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, An
         if call.get("id"):
             item["id"] = call["id"]
         out.append(item)
+    return out
+
+
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def mistral_call_id(call_id: str) -> str:
+    """``call_id`` as Mistral's templates take it: 9 letters or digits (they raise
+    "Tool call IDs should be alphanumeric strings with length 9!" otherwise).
+    Another id (OpenAI's ``call_...``, ours) maps onto one by its hash, so a
+    call and the tool message answering it keep the same id.
+
+    Examples:
+        >>> mistral_call_id("a1B2c3D4e"), len(mistral_call_id("call_0123456789abcdef"))
+        ('a1B2c3D4e', 9)
+    """
+    if _MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    digest = hashlib.sha256(call_id.encode()).digest()
+    return "".join(_ALNUM[b % len(_ALNUM)] for b in digest[:9])
+
+
+def template_ids(fmt: ToolFormat, extra: dict[str, Any]) -> dict[str, Any]:
+    """A message's ``tool_calls`` ids and ``tool_call_id`` in the form ``fmt``'s
+    templates require (Mistral's: ``mistral_call_id``; others as given)."""
+    if fmt is not MISTRAL:
+        return extra
+    out = dict(extra)
+    if isinstance(out.get("tool_call_id"), str):
+        out["tool_call_id"] = mistral_call_id(out["tool_call_id"])
+    if "tool_calls" in out:
+        out["tool_calls"] = [
+            {**c, "id": mistral_call_id(c["id"])} if isinstance(c.get("id"), str) else c
+            for c in out["tool_calls"]
+        ]
     return out
 
 
