@@ -23,8 +23,11 @@ would reuse little runs exactly and stores its whole prompt as one entry (exact:
 computed from position 0, loading nothing), so its passages, head and glue are
 found in the next request that shows them, in any order. Short glue between
 found passages that is stored nowhere (``Detection.glue``) is encoded on its own
-(as a chunk is: a step of a few tokens) before the request is planned again; a
-long unknown remainder after the loaded run is encoded in the background.
+(as a chunk is: a step of a few tokens) before the request is planned again, and
+so is a longer unknown text before the first found passage, as the prompt's
+whole prefix up to it (exact: computed from position 0; an agent's question and
+tool call come before the passages its tool returned); a long unknown remainder
+after the loaded run is encoded in the background.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ from kvrag_integrations.matching import ContentIndex
 from kvrag_integrations.vllm.params import PieceSpec
 
 MAX_GLUE_TOKENS = 32  # text between two found passages that is looked up (and learned) as glue
+# A longer unknown text before the first found passage (a new question and an agent's
+# tool call ahead of the tool's passages) is no glue: the prompt's prefix up to that
+# passage, at most this long, is computed exactly and stored first (``Detection.glue``).
+MAX_PREFIX_TOKENS = 1024
 MIN_SHARE = 0.5  # a request that would load less than this share runs exactly and is learned
 LEARN_MIN_TOKENS = 256  # shorter prompts (and remainders) are not worth an entry
 MAX_LEARN_PER_REQUEST = 8  # background encodes one request may start
@@ -110,6 +117,7 @@ class Detector:
     max_entry_tokens: int = 4096
     learn_min_tokens: int = LEARN_MIN_TOKENS
     max_glue_tokens: int = MAX_GLUE_TOKENS
+    max_prefix_tokens: int = MAX_PREFIX_TOKENS
     min_share: float = MIN_SHARE
     _known: dict[str, bool] = field(default_factory=dict, repr=False)
 
@@ -178,6 +186,8 @@ class Detector:
             if run.start > position:
                 gap = tuple(prompt[position : run.start])
                 if len(gap) > self.max_glue_tokens:
+                    if not stop and run.start <= self.max_prefix_tokens:
+                        glue.append(tuple(prompt[: run.start]))  # the exact prefix, first
                     stop = stop or f"{len(gap)} unknown tokens at {position}"
                 elif not fresh_glue and self._stored(fingerprint, gap):
                     if not stop:

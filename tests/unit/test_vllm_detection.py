@@ -96,7 +96,11 @@ def test_ingested_passages_with_unknown_glue_and_head_teach_both() -> None:
     p = prompt([1, 3, 0], ids(12))
     plan = stored.detector().detect(FP, p, may_learn=True)
     # the head is unknown: nothing loads, the prompt is stored whole, the glue learned
-    assert plan.load == () and plan.learn_prompt and plan.glue == (tuple(GLUE),)
+    # and the prompt's prefix up to the first passage encoded (exact) before it is planned
+    first = p.index(PASSAGES[1][0])
+    assert plan.load == () and plan.learn_prompt and plan.glue == (tuple(p[:first]), tuple(GLUE))
+    unbounded = stored.detector(max_prefix_tokens=first - 1).detect(FP, p, may_learn=True)
+    assert unbounded.glue == (tuple(GLUE),)  # a longer prefix is not encoded first
     stored.put(GLUE)
     stored.put(HEAD + GLUE)  # (a head learned on its own, as a short template's would be)
     plan = stored.detector().detect(FP, p, may_learn=True)
@@ -104,6 +108,25 @@ def test_ingested_passages_with_unknown_glue_and_head_teach_both() -> None:
     assert end == len(p) - 12 - len(TAIL)  # the passages and glue: up to the template's tail
     passage = plan.load[1]
     assert passage.tail == (4093,) and passage.lead == ()
+
+
+def test_an_agents_question_and_tool_call_before_stored_passages_are_encoded_first() -> None:
+    """An agent's second call: head, a new question and the tool call (long, unknown),
+    then the passages its tool returned. The prefix up to them is encoded exactly, then
+    everything before the template's tail loads."""
+    stored = Stored()
+    for passage in PASSAGES:
+        stored.put(passage)
+    stored.put(GLUE)
+    p = HEAD + ids(60) + GLUE + PASSAGES[2] + GLUE + PASSAGES[0] + TAIL
+    first = p.index(PASSAGES[2][0])
+    plan = stored.detector().detect(FP, p, may_learn=True)
+    assert plan.load == () and plan.glue == (tuple(p[:first]),)
+    assert not stored.detector().detect(FP, p, may_learn=False).glue  # a reader stores none
+    stored.put(p[:first])  # what the hook's encode of that glue stores
+    plan = stored.detector().detect(FP, p, may_learn=True)
+    assert check_pieces(plan.load, p, stored) == len(p) - len(TAIL)
+    assert plan.load[0] == PieceSpec(0, first)  # the prefix: its own exact entry
 
 
 def test_unknown_text_between_passages_stops_the_load_and_is_learned() -> None:
@@ -275,9 +298,10 @@ def test_the_hook_learns_a_new_prompt_in_the_request_and_glue_in_the_background(
     assert sent.save == (PieceSpec(0, len(p)),) and not sent.load
     assert "cache_salt" not in engine_prompt  # the shared namespace's exact requests: no salt
     learned = [s for s in engine.seen if s[2].startswith("kvrag-learn-")]
-    assert [s[0]["prompt_token_ids"] for s in learned] == [GLUE]
+    # the prompt's unknown prefix up to the first passage (exact) and the glue
+    assert [s[0]["prompt_token_ids"] for s in learned] == [HEAD + GLUE, GLUE]
     assert engine.seen[-1][2] == "r1"  # the glue first: the request was planned after it
-    glue_params = TransferParams.from_request(learned[0][1].extra_args["kv_transfer_params"])
+    glue_params = TransferParams.from_request(learned[1][1].extra_args["kv_transfer_params"])
     assert glue_params.save == (PieceSpec(0, 2),)
     # a reader teaches nothing
     hook, engine = hook_over(stored, role="read")
