@@ -61,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 MAX_PENDING_LEARNS = 16  # background encodes in flight at once (more are dropped)
 GLUE_WAIT_S = 5.0  # the longest a request waits for its glue to be stored
+# ... and for its private prefix: computed anyway, so waiting costs nothing, but
+# giving up computes it twice
+PREFIX_WAIT_S = 120.0
 LEARN_WAIT_S = 3.0  # ... and for a prompt this server is storing that would serve it
 SECRET_TAIL_TOKENS = 24  # a private prefix's secret suffix (ids drawn from its prompt)
 
@@ -163,6 +166,8 @@ class ReuseHook:
             waiting = [task for task in learned if task is not None]
             if waiting:
                 await asyncio.wait(waiting, timeout=GLUE_WAIT_S)
+                if own is not None and not own.done():
+                    await asyncio.wait([own], timeout=PREFIX_WAIT_S)
                 if own is None or not own.done():
                     private = None
                 detection = self.detector.detect(fingerprint, ids, may_learn, prefix=private)

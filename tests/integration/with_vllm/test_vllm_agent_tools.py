@@ -82,7 +82,7 @@ def rag_agent(url: str, model: str, chunks: list[tuple[str, dict]]) -> tuple[Any
     """LangChain's RAG-agent tutorial but for the model, a bound on the tool's query
     (vLLM's structured output keeps a forced call's arguments to the schema, and the
     small model's query then ends) and a middleware that makes the small model call
-    the tool first (vLLM's named tool choice) and answer after it. Returns the
+    the tool first (vLLM's named tool choice) and answer after it, briefly. Returns the
     agent's ``ask``, the chat model and the tool."""
     from langchain.agents import create_agent
     from langchain.agents.middleware import wrap_model_call
@@ -108,8 +108,10 @@ def rag_agent(url: str, model: str, chunks: list[tuple[str, dict]]) -> tuple[Any
 
     @wrap_model_call
     def retrieve_first(request, handler):  # type: ignore[no-untyped-def]
-        first = request.messages[-1].type == "human"
-        return handler(request.override(tool_choice="retrieve_context" if first else "none"))
+        if request.messages[-1].type == "human":
+            return handler(request.override(tool_choice="retrieve_context"))
+        # the answer: its prompt is what is measured, a short one keeps the test quick
+        return handler(request.override(tool_choice="none", model_settings={"max_tokens": 24}))
 
     # a plain, anonymous client: no key, no salt
     llm = ChatOpenAI(
