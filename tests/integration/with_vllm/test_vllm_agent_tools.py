@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,28 @@ SYSTEM = (
 def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     workdir = tmp_path_factory.mktemp("vllm-tools")
     server = VLLMServer(f"disk:{workdir / 'store'}", workdir, free_port(), TOOL_FLAGS)
+    server.store = f"disk:{workdir / 'store'}"  # type: ignore[attr-defined]
     try:
         yield server.wait()
     finally:
         server.stop()
+
+
+def leftovers(store_url: str) -> int:
+    """Entries in the store that the content index does not announce (a private
+    prefix not deleted), after they had a moment to go."""
+    from kvrag_integrations.chunk_kv import cache_key
+    from kvrag_integrations.matching import open_index_log
+    from kvrag_integrations.store import open_store
+
+    store = open_store(store_url)
+    indexed = {cache_key(ns, ids.tolist()) for ns, ids in open_index_log(store_url).read_new()}
+    for _ in range(20):
+        hidden = {info.key for info in store.entries()} - indexed
+        if not hidden:
+            break
+        time.sleep(0.5)
+    return len(hidden)
 
 
 def ingest(url: str, texts: list[str], folder: Path) -> list[tuple[str, dict]]:
@@ -153,6 +172,7 @@ def test_rag_agent_reads_the_tool_messages_passages_from_storage(
     from transformers import AutoTokenizer
 
     from kvrag_integrations.engine.modeling.model import checkpoint_folder
+    from kvrag_integrations.matching import open_index_log
 
     folder, name = checkpoint_folder(None)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -183,3 +203,9 @@ def test_rag_agent_reads_the_tool_messages_passages_from_storage(
         # computed is at most the tail after them and 15% of them
         assert read >= 0.85 * passages
         assert usage["input_tokens"] - cached <= 0.15 * passages + 32
+        # the text before the passages (this caller's system prompt, question and
+        # tool call) is nowhere another caller could find it: never indexed, and its
+        # private entry gone once the call was answered
+        log = open_index_log(tool_server.store).read_new()  # type: ignore[attr-defined]
+        assert not any(r.tolist()[: min(starts)] == ids[: min(starts)] for _, r in log)
+        assert leftovers(tool_server.store) == 0  # type: ignore[attr-defined]
