@@ -63,6 +63,7 @@ class SaveOp:
     pieces: tuple[PieceOp, ...]
     namespace: str = ""
     background: bool = False  # stored after the step (a learned prompt: nothing waits)
+    indexed: bool = True  # announced in the content index (not: a private entry)
 
 
 @dataclass

@@ -22,6 +22,10 @@ API: the request body's ``kv_transfer_params``):
 - ``learn``: the ``save`` may be stored after the answer is returned (a prompt the
   server learns: nothing waits for it; an encode request's entry is stored before
   its answer).
+- ``private``: the ``save`` is not announced in the content index: an entry only
+  a request that knows its ids can name (the reuse hook's private prefix of one
+  anonymous request, stored under ids with a secret suffix, read by that request
+  alone and dropped after it).
 - ``detect``: false opts a plain client's request out of the server's detection
   of stored passages (``reuse_hook``): it then runs exactly, as plain vLLM.
 - ``tenant``: the client's own tenant salt (the namespace it reuses and stores
@@ -56,7 +60,7 @@ PARAMS_KEY = "kvrag"
 MAX_PIECES = 1024  # more pieces than any prompt has: a bound on what a request may ask
 MAX_EDGE = 8192  # a piece's tail or lead: at most an entry's length
 MAX_EDGE_IDS = 65536  # the ids of every piece's lead and tail together (a request's size)
-_FIELDS = {"load", "save", "overwrite", "tenant", "grant", "detect", "learn"}
+_FIELDS = {"load", "save", "overwrite", "tenant", "grant", "detect", "learn", "private"}
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ and follow each other; piece 0 starts at 1, not 0
     grant: Mapping[str, Any] | None = None
     detect: bool = True
     learn: bool = False
+    private: bool = False
 
     @property
     def load_end(self) -> int:
@@ -136,6 +141,8 @@ and follow each other; piece 0 starts at 1, not 0
             ours["detect"] = False
         if self.learn:
             ours["learn"] = True
+        if self.private:
+            ours["private"] = True
         return {PARAMS_KEY: ours}
 
     @property
@@ -187,9 +194,12 @@ and follow each other; piece 0 starts at 1, not 0
         if grant is not None and not isinstance(grant, Mapping):
             raise TransferParamsError("grant must be an object")
         detect, learn = ours.get("detect", True), ours.get("learn", False)
-        if not isinstance(detect, bool) or not isinstance(learn, bool):
-            raise TransferParamsError("detect and learn must be true or false")
-        return cls(load, save, overwrite, tenant, grant, detect, learn)
+        private = ours.get("private", False)
+        if not all(isinstance(flag, bool) for flag in (detect, learn, private)):
+            raise TransferParamsError("detect, learn and private must be true or false")
+        if private and not save:
+            raise TransferParamsError("private applies to a save")
+        return cls(load, save, overwrite, tenant, grant, detect, learn, private)
 
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """Raise ``TransferParamsError`` if a piece lies beyond the prompt."""

@@ -3,7 +3,7 @@
 vLLM's OpenAI server renders a chat or completion request, tokenizes it, and
 hands the token ids to its engine client's ``generate``. ``ReuseHook`` wraps
 that one method (installed at the server's startup on its own engine client,
-``install``, by ``startup.ReuseInstaller``), so every route that reaches the
+``startup.install``), so every route that reaches the
 model passes it. First it gives an anonymous request (no key's grant, no salt
 of its own) a salt and grant of its own (``trust.Grant.anonymous``): it reads
 what writers stored, and shares no prefix block with any other caller. Then,
@@ -28,17 +28,26 @@ namespace (an API key's or a ``cache_salt``'s), never into the shared one that
 every caller reads, unless the operator lets anonymous callers share
 (``--share-anonymous-prompts``); a caller that may not store entries teaches
 the server nothing (it reuses what writers stored).
+
+Passages after a longer unknown text (an agent's second model call: the system
+prompt, a new question and the model's tool call, then the passages its tool
+returned) load only behind that text, computed exactly from position 0
+(``Detection.prefix``). In a tenant's own namespace it is learned as glue. An
+anonymous request's prefix is private text: it is stored only for that request,
+as a private entry (``params`` ``private``: never indexed) whose ids end in a
+secret suffix drawn for the request (so no other caller can name its key; the
+rows before the suffix are the prefix's own, computed causally), read by the
+request as its first piece and deleted once it is answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
+import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -52,7 +61,14 @@ logger = logging.getLogger(__name__)
 
 MAX_PENDING_LEARNS = 16  # background encodes in flight at once (more are dropped)
 GLUE_WAIT_S = 5.0  # the longest a request waits for its glue to be stored
+# ... and for its private prefix: computed anyway, so waiting costs nothing, but
+# giving up computes it twice
+PREFIX_WAIT_S = 120.0
 LEARN_WAIT_S = 3.0  # ... and for a prompt this server is storing that would serve it
+SECRET_TAIL_TOKENS = 24  # a private prefix's secret suffix (ids drawn from its prompt)
+
+Forget = Callable[[Tenant, Sequence[int]], None]
+"""Deletes a tenant's entry of these ids from the store (every rank's)."""
 
 
 class ReuseHook:
@@ -65,6 +81,8 @@ class ReuseHook:
         policy: the connector's client policy (tenants and roles, as it applies them).
         sampling_params: makes the sampling parameters of a background encode
             (default: vLLM's ``SamplingParams``).
+        forget: deletes a private prefix's entry once its request is answered
+            (None: the store's budget evicts it).
     """
 
     def __init__(
@@ -73,8 +91,10 @@ class ReuseHook:
         detector: Detector | None,
         policy: ClientPolicy,
         sampling_params: Callable[..., Any] | None = None,
+        forget: Forget | None = None,
     ):
         self.generate_inner = generate
+        self.forget = forget
         self.detector = detector
         self.policy = policy
         self.sampling_params = sampling_params or _vllm_sampling_params
@@ -86,28 +106,35 @@ class ReuseHook:
     async def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
+        private = None
         try:
-            await self.prepare(prompt, sampling_params, kwargs, request_id)
+            private = await self.prepare(prompt, sampling_params, kwargs, request_id)
         except Exception:  # never a crash here: the request then runs as plain vLLM
             logger.exception("request %s: reuse not planned; runs as plain vLLM", request_id)
-        async for output in self.generate_inner(
-            prompt, sampling_params, request_id, *args, **kwargs
-        ):
-            yield output
+        try:
+            async for output in self.generate_inner(
+                prompt, sampling_params, request_id, *args, **kwargs
+            ):
+                yield output
+        finally:
+            if private is not None and self.forget is not None:  # its own, used: dropped
+                loop = asyncio.get_running_loop()
+                loop.run_in_executor(None, self.forget, *private)
 
     # ------------------------------------------------------------ planning
     async def prepare(
         self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any], request_id: str = ""
-    ) -> None:
+    ) -> tuple[Tenant, list[int]] | None:
         """Rewrite ``prompt``'s salt and ``sampling_params``' transfer params in place
-        (nothing, where the request passes through)."""
+        (nothing, where the request passes through). Returns the private entry it
+        stored for the request (its tenant and ids), to be dropped after it."""
         self._isolate(prompt, sampling_params)
         if self.detector is None:
-            return
+            return None
         why, ids, params = self._eligible(prompt, sampling_params, kwargs)
         if why:
             logger.debug("%s: runs as plain vLLM: %s", request_id, why)
-            return
+            return None
         assert ids is not None and params is not None
         try:
             tenant, role = self.policy.tenant_and_role(
@@ -115,22 +142,35 @@ class ReuseHook:
             )
         except TransferParamsError as exc:
             logger.debug("%s: runs as plain vLLM: %s", request_id, exc)
-            return
+            return None
         may_learn = self.policy.may_learn(tenant, role)
         # In the shared namespace (nothing learned), glue is encoded by every request:
         # none then takes another course for what others sent before it.
         fresh_glue = not may_learn and role != "read"
         fingerprint = tenant.fingerprint(self.detector.base_fingerprint)
         detection = self.detector.detect(fingerprint, ids, may_learn, fresh_glue)
-        if detection.glue:
+        # An unknown prefix before found passages that is not learned (the shared
+        # namespace): stored for this request alone, under a secret suffix.
+        private = None
+        if detection.prefix and not may_learn and role != "read":
+            private = PieceSpec(0, detection.prefix, _secret_tail(ids[: detection.prefix]))
+        if detection.glue or private is not None:
             # Glue no entry holds yet (a template's separator between passages) would
             # stop the load at the first seam: a step of a few tokens stores it, then
             # the request is planned again.
             learned = [self._learn(span, tenant, params) for span in detection.glue]
+            own = None
+            if private is not None:
+                own = self._learn(tuple(private.entry_ids(ids)), tenant, params, private=True)
+                learned.append(own)
             waiting = [task for task in learned if task is not None]
             if waiting:
                 await asyncio.wait(waiting, timeout=GLUE_WAIT_S)
-                detection = self.detector.detect(fingerprint, ids, may_learn)
+                if own is not None and not own.done():
+                    await asyncio.wait([own], timeout=PREFIX_WAIT_S)
+                if own is None or not own.done():
+                    private = None
+                detection = self.detector.detect(fingerprint, ids, may_learn, prefix=private)
         if self._pending and await self._await_learning(fingerprint, ids, detection.load_end):
             detection = self.detector.detect(fingerprint, ids, may_learn)
         logger.debug(
@@ -149,6 +189,7 @@ class ReuseHook:
             learned = replace(params, save=(PieceSpec(0, len(ids)),), learn=True)
             self._rewrite(prompt, sampling_params, tenant, learned, None)
             self._pending_add(fingerprint, ids)
+        return None if private is None else (tenant, private.entry_ids(ids))
 
     def _isolate(self, prompt: Any, sampling_params: Any) -> None:
         """An anonymous request's own salt and grant (``trust.Grant.anonymous``): it
@@ -260,11 +301,11 @@ class ReuseHook:
 
     # ------------------------------------------------------------ learning
     def _learn(
-        self, ids: tuple[int, ...], tenant: Tenant, params: TransferParams
+        self, ids: tuple[int, ...], tenant: Tenant, params: TransferParams, private: bool = False
     ) -> asyncio.Task[None] | None:
         """Encode ``ids`` on their own in the background (as a chunk is): an entry
-        the next request with this glue or passage finds. The task (None: too many
-        in flight)."""
+        the next request with this glue or passage finds (``private``: one that is
+        not indexed). The task (None: too many in flight)."""
         key = f"{tenant.namespace}:{hash(ids)}"
         if key in self._learning:
             return self._learning[key]
@@ -275,6 +316,7 @@ class ReuseHook:
             save=(PieceSpec(0, len(ids)),),
             tenant=tenant.salt or "" if params.grant is None else "",
             grant=params.grant,
+            private=private,
         )
         task = loop.create_task(self._encode(list(ids), tenant.salt, save))
         self._learning[key] = task
@@ -301,6 +343,13 @@ class ReuseHook:
             await asyncio.gather(*list(self._learning.values()), return_exceptions=True)
 
 
+def _secret_tail(prefix: Sequence[int]) -> tuple[int, ...]:
+    """Ids drawn at random from ``prefix`` (so the model's vocabulary has them): a
+    private entry's suffix, which no other caller can guess, so none can name it."""
+    draw = secrets.SystemRandom()
+    return tuple(draw.choice(prefix) for _ in range(SECRET_TAIL_TOKENS))
+
+
 def _vllm_sampling_params(**kwargs: Any) -> Any:
     from vllm import SamplingParams
 
@@ -314,63 +363,3 @@ def _set_params(sampling_params: Any, transfer: dict[str, Any] | None) -> None:
     else:
         extra["kv_transfer_params"] = transfer
     sampling_params.extra_args = extra or None
-
-
-def install(engine_client: Any) -> ReuseHook | None:
-    """Wrap ``engine_client.generate`` (vLLM's ``EngineClient`` of the OpenAI server)
-    with a ``ReuseHook`` configured from its own connector settings (detection
-    only where they ask for it); None where it serves without our connector.
-    Idempotent."""
-    hook = getattr(engine_client, "_kvrag_reuse_hook", None)
-    if hook is not None:
-        return hook
-    from kvrag_integrations.vllm.config import CONNECTOR_CLASS, ConnectorSettings
-    from kvrag_integrations.vllm.gateway import KeyRing
-
-    _log_beside_vllm()
-    config = engine_client.vllm_config
-    transfer = config.kv_transfer_config
-    if transfer is None or transfer.kv_connector != CONNECTOR_CLASS:
-        return None
-    settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
-    policy = settings.policy(KeyRing.from_env())
-    detector = _detector(config, settings) if settings.detect else None
-    hook = ReuseHook(engine_client.generate, detector, policy)
-    engine_client.generate = hook.generate
-    engine_client._kvrag_reuse_hook = hook
-    if detector is not None:
-        indexed = len(detector.index)  # type: ignore[arg-type]
-        logger.info("kvrag: finds stored passages in plain requests (%d entries indexed)", indexed)
-    return hook
-
-
-def _detector(config: Any, settings: Any) -> Detector:
-    from kvrag_integrations.matching import SyncedIndex, index_log_for
-    from kvrag_integrations.store import open_store
-    from kvrag_integrations.vllm.identity import connector_fingerprints
-
-    fingerprints = connector_fingerprints(config, settings.cache_precision)
-    store = open_store(settings.store)
-    index = SyncedIndex(index_log_for(store))  # the store's own connection
-    index.refresh()  # what replicas and earlier runs stored, before the first request
-    return Detector(
-        index,
-        store.contains,
-        fingerprints[0],
-        max_entry_tokens=settings.max_entry_tokens,
-        learn_min_tokens=settings.learn_min_tokens,
-    )
-
-
-def _log_beside_vllm() -> None:
-    """This package's log lines in the server's log, through vLLM's own handlers, at
-    ``$KVRAG_LOG_LEVEL`` (default INFO; DEBUG: why each request was or was not planned)."""
-    package = logging.getLogger("kvrag_integrations")
-    if package.handlers:
-        return
-    handler = logging.StreamHandler(sys.stdout)  # (vLLM's own filter at its level)
-    for theirs in logging.getLogger("vllm").handlers:
-        handler.setFormatter(theirs.formatter)
-    package.addHandler(handler)
-    package.setLevel(os.environ.get("KVRAG_LOG_LEVEL", "INFO").upper())
-    package.propagate = False

@@ -56,6 +56,7 @@ class _Plan:
     saved: bool = False
     refused: str = ""
     background: bool = False  # the save may land after the answer (``params.learn``)
+    indexed: bool = True  # the saved entry is announced in the content index
 
 
 class SchedulerSide:
@@ -158,7 +159,8 @@ class SchedulerSide:
         if saves and not params.overwrite and self._stored(prompt, tenant):
             # Stored already: nothing to save; read back only where that is exact.
             load, saves = ((saves[0],) if self.lossless else ()), ()
-        return _Plan(tenant, prompt, load, saves, keys, background=params.learn)
+        indexed = not params.private
+        return _Plan(tenant, prompt, load, saves, keys, background=params.learn, indexed=indexed)
 
     def _key(self, entry_ids: Sequence[int], tenant: Tenant, rank: int = 0) -> str:
         return cache_key(tenant.fingerprint(self.fingerprints[rank]), list(entry_ids))
@@ -200,7 +202,8 @@ class SchedulerSide:
                 pieces = _overlapping(plan.saves, plan.prompt, 0, len(plan.prompt))
                 blocks = self._blocks(request_id)
                 namespace = plan.tenant.namespace
-                ops.saves.append(SaveOp(request_id, blocks, pieces, namespace, plan.background))
+                op = SaveOp(request_id, blocks, pieces, namespace, plan.background, plan.indexed)
+                ops.saves.append(op)
                 plan.saved = True
         return ops
 

@@ -2,7 +2,7 @@
 
 ``serve`` adds this ASGI middleware beside the gateway. vLLM builds the app
 before it sets up the engine client, so the hook (``reuse_hook.install``) is
-installed at the first event that sees it: the lifespan startup. From then on
+installed at the first event that sees it: the lifespan startup (``install``). From then on
 every route that reaches the model passes the hook: anonymous requests get a
 salt of their own, and, unless ``serve --no-detect``, stored passages are found
 in plain clients' requests. Nothing else: keys and grants are the gateway's.
@@ -11,10 +11,15 @@ in plain clients' requests. Nothing else: keys and grants are the gateway's.
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from collections.abc import Sequence
 from typing import Any
 
+from kvrag_integrations.vllm.detection import Detector
 from kvrag_integrations.vllm.gateway import ASGIApp, Receive, Scope, Send
-from kvrag_integrations.vllm.reuse_hook import install
+from kvrag_integrations.vllm.reuse_hook import Forget, ReuseHook
+from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -41,3 +46,72 @@ class ReuseInstaller:
             install(engine_client)
         except Exception:  # the server still serves, as plain vLLM with the connector
             logger.exception("kvrag: the server's hook is not installed")
+
+
+def install(engine_client: Any) -> ReuseHook | None:
+    """Wrap ``engine_client.generate`` (vLLM's ``EngineClient`` of the OpenAI server)
+    with a ``ReuseHook`` configured from its own connector settings (detection
+    only where they ask for it); None where it serves without our connector.
+    Idempotent."""
+    hook = getattr(engine_client, "_kvrag_reuse_hook", None)
+    if hook is not None:
+        return hook
+    from kvrag_integrations.vllm.config import CONNECTOR_CLASS, ConnectorSettings
+    from kvrag_integrations.vllm.gateway import KeyRing
+
+    _log_beside_vllm()
+    config = engine_client.vllm_config
+    transfer = config.kv_transfer_config
+    if transfer is None or transfer.kv_connector != CONNECTOR_CLASS:
+        return None
+    settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
+    policy = settings.policy(KeyRing.from_env())
+    detector, forget = _detector(config, settings) if settings.detect else (None, None)
+    hook = ReuseHook(engine_client.generate, detector, policy, forget=forget)
+    engine_client.generate = hook.generate
+    engine_client._kvrag_reuse_hook = hook
+    if detector is not None:
+        indexed = len(detector.index)  # type: ignore[arg-type]
+        logger.info("kvrag: finds stored passages in plain requests (%d entries indexed)", indexed)
+    return hook
+
+
+def _detector(config: Any, settings: Any) -> tuple[Detector, Forget]:
+    """The detector over the connector's store, and what drops a private entry
+    there (every rank's)."""
+    from kvrag_integrations.chunk_kv import cache_key
+    from kvrag_integrations.matching import SyncedIndex, index_log_for
+    from kvrag_integrations.store import open_store
+    from kvrag_integrations.vllm.identity import connector_fingerprints
+
+    fingerprints = connector_fingerprints(config, settings.cache_precision)
+    store = open_store(settings.store)
+    index = SyncedIndex(index_log_for(store))  # the store's own connection
+    index.refresh()  # what replicas and earlier runs stored, before the first request
+    detector = Detector(
+        index,
+        store.contains,
+        fingerprints[0],
+        max_entry_tokens=settings.max_entry_tokens,
+        learn_min_tokens=settings.learn_min_tokens,
+    )
+
+    def forget(tenant: Tenant, ids: Sequence[int]) -> None:
+        for fingerprint in fingerprints:
+            store.delete(cache_key(tenant.fingerprint(fingerprint), list(ids)))
+
+    return detector, forget
+
+
+def _log_beside_vllm() -> None:
+    """This package's log lines in the server's log, through vLLM's own handlers, at
+    ``$KVRAG_LOG_LEVEL`` (default INFO; DEBUG: why each request was or was not planned)."""
+    package = logging.getLogger("kvrag_integrations")
+    if package.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)  # (vLLM's own filter at its level)
+    for theirs in logging.getLogger("vllm").handlers:
+        handler.setFormatter(theirs.formatter)
+    package.addHandler(handler)
+    package.setLevel(os.environ.get("KVRAG_LOG_LEVEL", "INFO").upper())
+    package.propagate = False

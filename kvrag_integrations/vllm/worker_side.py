@@ -277,14 +277,14 @@ class WorkerSide:
             try:
                 kv = self._read(op, piece)
                 if op.background:
-                    stored += self._later(op.request_id, kv)
+                    stored += self._later(op.request_id, kv, op.indexed)
                 else:
-                    stored += self._store(op.request_id, kv)
+                    stored += self._store(op.request_id, kv, op.indexed)
             except Exception:
                 logger.exception("request %s: entry not stored", op.request_id)
         return stored
 
-    def _later(self, request_id: str, kv: ChunkKV) -> int:
+    def _later(self, request_id: str, kv: ChunkKV, indexed: bool = True) -> int:
         """Store ``kv`` on the writer thread (at most ``_MAX_LATER`` waiting: learning is
         best effort, the cache's memory is not)."""
         with self._lock:
@@ -294,19 +294,19 @@ class WorkerSide:
             self._waiting += 1
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvrag-store-writer")
-        self._writer.submit(self._store_later, request_id, kv)
+        self._writer.submit(self._store_later, request_id, kv, indexed)
         return 1
 
-    def _store_later(self, request_id: str, kv: ChunkKV) -> None:
+    def _store_later(self, request_id: str, kv: ChunkKV, indexed: bool) -> None:
         try:
-            self._store(request_id, kv)
+            self._store(request_id, kv, indexed)
         except Exception:
             logger.exception("request %s: entry not stored", request_id)
         finally:
             with self._lock:
                 self._waiting -= 1
 
-    def _store(self, request_id: str, kv: ChunkKV) -> int:
+    def _store(self, request_id: str, kv: ChunkKV, indexed: bool = True) -> int:
         try:
             kv = kv.stored_as(self.precision)
             with self._lock:  # the budget's accounting: one writer at a time
@@ -320,7 +320,7 @@ class WorkerSide:
         except StoreWriteError as exc:
             logger.warning("request %s: entry not stored (%s)", request_id, exc)
             return 0
-        if self.index_log is not None:
+        if self.index_log is not None and indexed:  # (a private entry: found by no one)
             self._announce(kv)
         return 1
 

@@ -96,7 +96,11 @@ def test_ingested_passages_with_unknown_glue_and_head_teach_both() -> None:
     p = prompt([1, 3, 0], ids(12))
     plan = stored.detector().detect(FP, p, may_learn=True)
     # the head is unknown: nothing loads, the prompt is stored whole, the glue learned
-    assert plan.load == () and plan.learn_prompt and plan.glue == (tuple(GLUE),)
+    # and the prompt's prefix up to the first passage encoded (exact) before it is planned
+    first = p.index(PASSAGES[1][0])
+    assert plan.load == () and plan.learn_prompt and plan.glue == (tuple(p[:first]), tuple(GLUE))
+    unbounded = stored.detector(max_prefix_tokens=first - 1).detect(FP, p, may_learn=True)
+    assert unbounded.glue == (tuple(GLUE),)  # a longer prefix is not encoded first
     stored.put(GLUE)
     stored.put(HEAD + GLUE)  # (a head learned on its own, as a short template's would be)
     plan = stored.detector().detect(FP, p, may_learn=True)
@@ -104,6 +108,47 @@ def test_ingested_passages_with_unknown_glue_and_head_teach_both() -> None:
     assert end == len(p) - 12 - len(TAIL)  # the passages and glue: up to the template's tail
     passage = plan.load[1]
     assert passage.tail == (4093,) and passage.lead == ()
+
+
+def agent_call() -> tuple[Stored, list[int], int]:
+    """An agent's second model call over ingested passages: head, a new question and
+    the tool call (long, unknown), then the passages its tool returned; and where
+    they begin."""
+    stored = Stored()
+    for passage in PASSAGES:
+        stored.put(passage)
+    stored.put(GLUE)
+    p = HEAD + ids(60) + GLUE + PASSAGES[2] + GLUE + PASSAGES[0] + TAIL
+    return stored, p, p.index(PASSAGES[2][0])
+
+
+def test_a_tenants_question_and_tool_call_before_stored_passages_are_learned_first() -> None:
+    """In a tenant's own namespace the prefix up to the passages is learned as glue
+    (exact: from position 0), then everything before the template's tail loads."""
+    stored, p, first = agent_call()
+    plan = stored.detector().detect(FP, p, may_learn=True)
+    assert plan.load == () and plan.glue == (tuple(p[:first]),) and plan.prefix == first
+    assert not stored.detector().detect(FP, p, may_learn=False).glue  # a reader stores none
+    stored.put(p[:first])  # what the hook's encode of that glue stores
+    plan = stored.detector().detect(FP, p, may_learn=True)
+    assert check_pieces(plan.load, p, stored) == len(p) - len(TAIL)
+    assert plan.load[0] == PieceSpec(0, first)  # the prefix: its own exact entry
+
+
+def test_an_anonymous_prefix_is_no_glue_and_its_private_piece_leads_the_load() -> None:
+    """In the shared namespace the prefix is private text: never glue (which is stored
+    and indexed there); given as the request's own piece, the passages load after it."""
+    stored, p, first = agent_call()
+    plan = stored.detector().detect(FP, p, may_learn=False, fresh_glue=True)
+    assert plan.prefix == first and plan.load == () and plan.glue == (tuple(GLUE),)
+    private = PieceSpec(0, first, tuple(ids(24)))
+    stored.keys.add(cache_key(FP, private.entry_ids(p)))  # stored, never indexed
+    plan = stored.detector().detect(FP, p, may_learn=False, prefix=private)
+    assert check_pieces(plan.load, p, stored) == len(p) - len(TAIL)
+    assert plan.load[0] == private and plan.load[1].start == first
+    # too little found after a long prefix is not worth its encode
+    short = HEAD + ids(60) + GLUE + PASSAGES[2][:40] + ids(80)
+    assert stored.detector().detect(FP, short, False, fresh_glue=True).prefix == 0
 
 
 def test_unknown_text_between_passages_stops_the_load_and_is_learned() -> None:
@@ -275,9 +320,10 @@ def test_the_hook_learns_a_new_prompt_in_the_request_and_glue_in_the_background(
     assert sent.save == (PieceSpec(0, len(p)),) and not sent.load
     assert "cache_salt" not in engine_prompt  # the shared namespace's exact requests: no salt
     learned = [s for s in engine.seen if s[2].startswith("kvrag-learn-")]
-    assert [s[0]["prompt_token_ids"] for s in learned] == [GLUE]
+    # the prompt's unknown prefix up to the first passage (exact) and the glue
+    assert [s[0]["prompt_token_ids"] for s in learned] == [HEAD + GLUE, GLUE]
     assert engine.seen[-1][2] == "r1"  # the glue first: the request was planned after it
-    glue_params = TransferParams.from_request(learned[0][1].extra_args["kv_transfer_params"])
+    glue_params = TransferParams.from_request(learned[1][1].extra_args["kv_transfer_params"])
     assert glue_params.save == (PieceSpec(0, 2),)
     # a reader teaches nothing
     hook, engine = hook_over(stored, role="read")
@@ -326,3 +372,74 @@ def test_a_passage_stored_after_text_this_prompt_lacks_is_not_read_from_there() 
     stored.put(prompt([0, 1], ids(10)))
     plan = stored.detector().detect(FP, victim, may_learn=True)
     assert check_pieces(plan.load, victim, stored) >= len(victim) - 12 - len(TAIL)
+
+
+class StoringEngine(FakeEngine):
+    """Stores what a background encode saves, as the connector's workers do: a
+    private entry under its key only (never announced to the index)."""
+
+    def __init__(self, stored: Stored) -> None:
+        super().__init__()
+        self.stored = stored
+
+    async def generate(self, prompt, sampling_params, request_id, **kwargs):
+        async for out in super().generate(prompt, sampling_params, request_id, **kwargs):
+            extra = sampling_params.extra_args or {}
+            sent = TransferParams.from_request(extra.get("kv_transfer_params"))
+            if request_id.startswith("kvrag-learn-") and sent and sent.save:
+                entry = prompt["prompt_token_ids"]
+                if sent.private:
+                    self.stored.keys.add(cache_key(FP, entry))
+                else:
+                    self.stored.put(entry)
+            yield out
+
+
+def test_at_the_defaults_an_anonymous_agents_prefix_is_its_own_and_its_passages_load() -> None:
+    """An anonymous agent's second call: the question and tool call before the tool's
+    passages are encoded for this request alone (a private entry: ids with a secret
+    suffix, unindexed, under its own salt), it loads them then the passages, and the
+    entry is deleted once it is answered. Another caller never finds it."""
+    stored, p, first = agent_call()
+    policy = ClientPolicy(secret=SECRET)  # a server's defaults
+    engine = StoringEngine(stored)
+    forgotten = []
+
+    def forget(tenant: Tenant, entry) -> None:
+        forgotten.append(list(entry))
+        stored.keys.discard(cache_key(tenant.fingerprint(FP), list(entry)))
+
+    hook = ReuseHook(engine.generate, stored.detector(), policy, SimpleNamespace, forget)
+    tails = []
+    for _ in range(2):
+        engine.seen.clear()
+        engine_prompt, params = run(hook, p)
+        sent = TransferParams.from_request(params.extra_args["kv_transfer_params"])
+        encodes = [s for s in engine.seen if s[2].startswith("kvrag-learn-")]
+        (own,) = [s for s in encodes if s[0]["prompt_token_ids"] != GLUE]
+        entry = own[0]["prompt_token_ids"]
+        own_params = TransferParams.from_request(own[1].extra_args["kv_transfer_params"])
+        assert entry[:first] == p[:first] and len(entry) == first + 24
+        assert own_params.private and own_params.save == (PieceSpec(0, len(entry)),)
+        assert own[0]["cache_salt"].startswith(ANON_SALT_PREFIX)  # its own exact salt
+        tenant, _ = policy.tenant_and_role("", sent.grant, None, True)
+        assert own[0]["cache_salt"] == tenant.salt  # the request's own tenant
+        assert sent.load[0] == PieceSpec(0, first, tuple(entry[first:]))
+        # the passages and glue after it load from what writers stored
+        assert all(cache_key(FP, x.entry_ids(p)) in stored.keys for x in sent.load[1:])
+        assert sent.load_end == len(p) - len(TAIL)
+        assert engine_prompt["cache_salt"] == request_salt(tenant, sent.layout)
+        assert forgotten[-1] == entry  # answered: dropped
+        assert (FP, p[:first]) not in stored.index  # never indexed
+        tails.append(tuple(entry[first:]))
+    assert tails[0] != tails[1]  # each request's own secret suffix
+    assert cache_key(FP, list(p[:first]) + list(tails[0])) not in stored.keys
+    # the prefix was never stored where a lookup of its ids finds it
+    assert stored.detector().detect(FP, p, False, fresh_glue=True).load == ()
+    # a reader stores nothing: no private prefix either, the passages are computed
+    engine.seen.clear()
+    hook = ReuseHook(
+        engine.generate, stored.detector(), ClientPolicy(client_role="read", secret=SECRET)
+    )
+    _, params = run(hook, p)
+    assert not any(s[2].startswith("kvrag-learn-") for s in engine.seen)

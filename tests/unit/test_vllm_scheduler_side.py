@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvrag_integrations.chunk_kv import cache_key
+from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.vllm.params import PieceSpec, TransferParams
 from kvrag_integrations.vllm.scheduler_side import SchedulerSide
 from kvrag_integrations.vllm.trust import ClientPolicy, Grant, Tenant, key_digest
@@ -108,6 +109,18 @@ def test_a_save_waits_for_the_whole_prompt_chunked_prefill_included() -> None:
     assert not s.step([("e", 300, 1)]).saves  # saved once
     reply = s.finished("e")
     assert (reply.keys, reply.stored, reply.fingerprint) == ([key(piece)], 1, FP)
+
+
+def test_a_private_save_is_not_indexed_and_private_needs_a_save() -> None:
+    """A private entry (the reuse hook's prefix of one anonymous request) is stored as
+    any whole prompt is, but its save tells the workers not to announce it."""
+    s = side(set())
+    s.matched_tokens(request("p", TransferParams(save=(PieceSpec(0, 300),), private=True)), 0)
+    s.matched_tokens(request("o", TransferParams(save=(PieceSpec(0, 300),))), 0)
+    saves = s.step([("p", 0, 300), ("o", 0, 300)]).saves
+    assert [(op.request_id, op.indexed) for op in saves] == [("p", False), ("o", True)]
+    with pytest.raises(TransferParamsError, match="private applies to a save"):
+        TransferParams.from_request({"kvrag": {"private": True}})
 
 
 def test_encoding_a_stored_entry_reads_it_back_and_saves_nothing() -> None:

@@ -247,3 +247,14 @@ def test_a_learned_prompt_is_stored_after_the_step_and_announced_to_the_index() 
     keys, _ = side._paged().read(side.caches[1], side.slots(blocks, 0, 6))
     torch.testing.assert_close(stored.keys[1], keys.transpose(0, 1))  # model precision
     assert [(ns, ids.tolist()) for ns, ids in log.read_new()] == [(FP, [1, 2, 3, 4, 5, 6])]
+
+
+def test_a_private_entry_is_stored_but_not_announced_to_the_index() -> None:
+    from kvrag_integrations.matching import MemoryIndexLog
+
+    store, log = MemoryKVStore(), MemoryIndexLog()
+    side = worker(store)
+    side.index_log = log
+    op = SaveOp("p", (0, 1), (PieceOp(0, 6, (1, 2, 3, 4, 5, 6)),), "", indexed=False)
+    assert side.save(op) == 1
+    assert store.contains(cache_key(FP, [1, 2, 3, 4, 5, 6])) and log.read_new() == []
