@@ -68,7 +68,7 @@ def _tidy(nb: nbformat.NotebookNode) -> None:
 
 
 def test_notebooks_found() -> None:
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05"]
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
 
 
 @pytest.mark.slow
