@@ -91,7 +91,7 @@ class _Bucket:
 
     def __init__(self, lm: Any, kv: PromptKV, length: int) -> None:
         dev, dtype = kv.device, kv.dtype
-        self.lm, self.length = lm, length
+        self.lm, self.length, self.device = lm, length, dev
         shape = [(1, k.shape[0], length, k.shape[2]) for k in kv.keys]
         # zeros: masked slots must hold finite values (0 * NaN would leak in)
         self.keys = [torch.zeros(s, dtype=dtype, device=dev) for s in shape]
@@ -126,15 +126,18 @@ class _Bucket:
         """Record the step as a CUDA graph (torch's documented warm-up on a side
         stream, then capture into the shared pool). Writes slot 0: call before
         ``fill``."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads' CUDA work meanwhile (a tiered store's
+            # copies, which take no forward lock) does not void the capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._step()
         self.graph = graph
 
     def fill(self, kv: PromptKV) -> None:
@@ -149,7 +152,8 @@ class _Bucket:
         self.position.fill_(position)
         self.slot.fill_(slot)
         if self.graph is not None:
-            self.graph.replay()
+            with torch.cuda.device(self.device):
+                self.graph.replay()
         else:
             self._step()
         assert self.logits is not None
@@ -209,13 +213,14 @@ class StaticDecoder:
         self._pool: Any = None
         self._broken: str | None = None  # a capture failed: the reason
         self._named: set[str] = set()
+        self.last: str | None = None  # how the last request decoded (benchmarks report it)
 
     def refusal(self, lm: Any, kv: PromptKV, max_new_tokens: int) -> str | None:
         """Why this request decodes eagerly (None: it decodes statically)."""
         if not can_take(lm):  # the switch, or attention other than SDPA
             return "KVRAG_FAST_PATH=0 or attention other than sdpa"
         if kv.device.type not in self.devices:
-            return f"device {kv.device.type} (static decode on {', '.join(self.devices)})"
+            return f"device {kv.device.type} (static decode on {', '.join(self.devices) or 'none'})"
         if any(w is not None for w in self.layout.windows):
             return "sliding-window or hybrid layer types"
         if self.layout.reuse_refused:
@@ -238,6 +243,7 @@ class StaticDecoder:
         """The static steps for a request, or None (decode eagerly; the reason is
         logged once per reason)."""
         why = self.refusal(lm, kv, max_new_tokens)
+        self.last = f"eager: {why}" if why else None
         if why is not None:
             if why not in self._named:
                 self._named.add(why)
@@ -245,6 +251,8 @@ class StaticDecoder:
             return None
         length = self.length(lm, kv.num_tokens + max_new_tokens)
         assert length is not None
+        graphed = self.graphs and kv.device.type == "cuda"
+        self.last = f"static, bucket {length}" + (", CUDA graph" if graphed else ", eager step")
         return StaticSteps(self, lm, kv, length)
 
     def bucket(self, lm: Any, kv: PromptKV, length: int) -> _Bucket:
