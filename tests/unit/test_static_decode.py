@@ -20,7 +20,12 @@ from corpus import REEF, TOWER, TOWER_QUESTION
 from kvrag_integrations import KVRAGEngine, MemoryKVStore
 from kvrag_integrations.engine.modeling.generate import dynamic_steps
 from kvrag_integrations.engine.modeling.model import LoadedModel
-from kvrag_integrations.engine.modeling.static_decode import BUCKETS, StaticDecoder, bucket_for
+from kvrag_integrations.engine.modeling.static_decode import (
+    BUCKETS,
+    StaticDecoder,
+    _Bucket,
+    bucket_for,
+)
 from kvrag_integrations.engine.prompting.segments import Piece, TokenizedPrompt
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.strategies import FullPrefill, TurboRAG
@@ -205,3 +210,31 @@ def test_stop_strings_cut_the_same_on_the_static_path(
     got_pieces, got = run(fast, strategy="turbo", max_new_tokens=20, stop=[stop])
     assert (got.text, got.finish_reason) == (want.text, "stop")
     assert "".join(got_pieces) == got.text
+
+
+def test_a_step_that_cannot_be_captured_decodes_eagerly_named_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A capture that fails (an op syncing with the host, as MoE routing may):
+    that request's bucket runs its step eagerly, later requests the eager steps."""
+
+    def host_sync(self: _Bucket, pool: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(_Bucket, "capture", host_sync)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    model = model_of("qwen3-moe")
+    decoder = static(model)
+    pre = full(model, ids(9, 1))
+    bucket = _Bucket(model.model, pre.kv, 16)
+    with caplog.at_level(logging.INFO, logger="kvrag_integrations.engine.modeling.static_decode"):
+        decoder._capture(bucket, 16)
+        assert decoder.steps(model.model, pre.kv, 4) is None
+        assert decoder.steps(model.model, pre.kv, 4) is None
+    assert bucket.graph is None and not decoder.capture_s
+    assert "cannot be captured" in decoder.last
+    named = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
+    assert len(named) == 2 and "from now on" in named[0]  # the failure, then the refusal
+    bucket.fill(pre.kv)  # the bucket it was made for still decodes (eager step)
+    want = dynamic_steps(model.model, pre.kv)(5, pre.kv.next_position)
+    assert (bucket.run(5, pre.kv.next_position, 9) - want).abs().max() <= 1e-4
