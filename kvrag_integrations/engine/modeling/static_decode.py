@@ -225,7 +225,7 @@ class StaticDecoder:
             return "sliding-window or hybrid layer types"
         if self.layout.reuse_refused:
             return "a model whose reuse is refused"
-        if len(set(getattr(lm, "hf_device_map", {}).values())) > 1:
+        if len(set((getattr(lm, "hf_device_map", None) or {}).values())) > 1:
             return "a model spread over devices"
         if self._broken:
             return self._broken
