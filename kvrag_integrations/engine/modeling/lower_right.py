@@ -22,6 +22,10 @@ eager ones (Gemma 2's softcapping, which SDPA cannot do), and any forward
 under another wrapper (``attention_mass``), keep today's path, and the first
 is named in the log once per architecture.
 
+Within the same block, one query token over a ``[1, 1, 1, kv]`` mask (the
+static decode's step, ``engine.modeling.static_decode``) runs as one SDPA
+with each K/V head's query heads packed as its rows: no K/V copy per group.
+
 ``KVRAG_FAST_PATH=0`` (or ``false``) turns it off (the engine's fast paths'
 one switch).
 """
