@@ -18,13 +18,19 @@ overrun the budget is recorded as such and the rest still run):
    and with ``KVRAG_FAST_PATH=0``: the logits' max difference, the same top token,
    and both prefills' median time;
 2. ``exact``: ``exact.py`` (CUDA against CPU through the public API), its summary;
-3. ``decode``: ``bench decode --preset gpu`` (ms per decoded token, engine and HF
-   ``generate``, at ~4k and ~16k tokens);
-4. ``scaling``: ``bench scaling --preset gpu`` at 64 and 128 chunks of 256 tokens
+3. ``static_exact``: after one turbo prefill over 16 chunks (~4k tokens), 32
+   decode steps fed the same tokens through the static decode (a CUDA graph per
+   bucket) and the eager ``DynamicCache`` steps: the logits' max difference per
+   step and whether every greedy token agrees;
+4. ``decode``: ``bench decode --preset gpu`` (ms per decoded token at ~4k and
+   ~16k tokens after turbo: the engine on its static decode, the engine eager,
+   HF ``generate``; how the engine decoded and each bucket's first capture);
+5. ``scaling``: ``bench scaling --preset gpu`` at 64 and 128 chunks of 256 tokens
    (16.5k and 33k: full, turbo, turbo from the host tier, blend@0.15, the floor).
 
 ``summary.json`` sets each figure beside the issue's bound. ``--dry-run`` runs the
-same steps on a 2-layer shape on the CPU at smoke sizes (no figure means anything).
+same steps on a 2-layer shape on the CPU at smoke sizes (no figure means anything;
+the static decode runs there as an eager step over its buffers, no graph).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from kvrag_integrations.bench.common import (
     sync,
     write_results,
 )
+from kvrag_integrations.engine.modeling.generate import dynamic_steps
 
 EXACT = Path("../shared/gpu/exact.py")
 DATA = Path("../shared/data/musique_dev.json")
@@ -123,6 +130,37 @@ def lower_right_step(engine: KVRAGEngine, question: str, chunks: list[str]) -> d
     }
 
 
+def static_exact_step(engine: KVRAGEngine, question: str, chunks: list[str]) -> dict[str, Any]:
+    """The static decode's steps against the eager ones on one turbo prompt cache,
+    both fed the eager path's greedy tokens (so one flip does not end the check)."""
+    engine.encode_chunks(chunks, show_progress=False)
+    pre = engine.prefill(question=question, chunks=chunks, strategy="turbo")
+    kv, lm, n = pre.output.kv, engine.model, 32
+    with engine.loaded.lock:
+        fast = engine.loaded.decoder.steps(lm, kv, n + 1)
+        if fast is None:
+            return {"refused": engine.loaded.decoder.last}
+        eager = dynamic_steps(lm, kv)
+        logits, position, diffs, agree = pre.logits, kv.next_position, [], []
+        for _ in range(n):
+            token = int(logits.argmax())
+            want = eager(token, position).float()
+            got = fast(token, position).float()
+            diffs.append((got - want).abs().max().item())
+            agree.append(int(got.argmax()) == int(want.argmax()))
+            logits, position = want, position + 1
+    return {
+        "prompt_tokens": int(pre.prompt.num_tokens),
+        "bucket": fast.length,
+        "path": engine.loaded.decoder.last,
+        "capture_s": engine.loaded.decoder.capture_s,
+        "max_abs_logit_diff": max(diffs),
+        "logit_diff_per_step": [round(d, 4) for d in diffs],
+        "greedy_tokens_agree": all(agree),
+        "agreeing_steps": sum(agree),
+    }
+
+
 def exact_step(assets: Path, work: Path) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "exact.py compares CUDA with CPU: no CUDA here"}
@@ -164,7 +202,11 @@ def summary(done: dict[str, Any]) -> dict[str, Any]:
     points = done.get("decode", {}).get("points", [])
     for point, key in zip(points, ("4k", "16k")):
         figures[f"decode_ms_per_token_{key}"] = point["engine"]["ms_per_token"]
+        figures[f"decode_path_{key}"] = point["engine"].get("path")
+        figures[f"eager_ms_per_token_{key}"] = point.get("eager", {}).get("ms_per_token")
         figures[f"hf_generate_ms_per_token_{key}"] = point.get("hf", {}).get("ms_per_token")
+    if points:
+        figures["first_capture_s_per_bucket"] = points[-1]["engine"].get("capture_s")
     chunks = done.get("scaling", {}).get("chunks", [])
     for point, key in zip(chunks, ("16.5k", "33k")):
         ttft = point["ttft_ms"]
@@ -177,6 +219,9 @@ def summary(done: dict[str, Any]) -> dict[str, Any]:
             figures["turbo_over_full_16.5k"] = speedup.get("turbo")
             figures["blend_over_full_16.5k"] = speedup.get("blend@0.15")
     holds = {k: figures.get(k) is not None and figures[k] <= b for k, b in BOUNDS.items()}
+    static = done.get("static_exact", {})
+    figures["static_max_abs_logit_diff"] = static.get("max_abs_logit_diff")
+    holds["static_greedy_tokens_agree"] = bool(static.get("greedy_tokens_agree"))
     holds |= {k: figures.get(k) is not None and figures[k] >= b for k, b in MIN_RATIOS.items()}
     exact = done.get("exact", {}).get("summary") or ""
     holds["exact_all_hold"] = exact.startswith("SUMMARY") and "failing: []" in exact
@@ -198,6 +243,9 @@ def run(assets: Path, out: Path, dry: bool, budget_s: float) -> None:
     loaded = shapes.dummy_model("tiny-llama" if dry else "llama-3.1-8b", device,
                                 None if dry else "bfloat16", tokenizer=tokenizer)  # fmt: skip
     engine = KVRAGEngine(loaded)
+    if dry:  # the static decode is CUDA-only by default: run its eager step on CPU
+        engine.loaded.decoder.devices = ("cpu", "cuda")
+        engine.loaded.decoder.buckets = (256, 512, 1024)
     print(f"model built in {time.monotonic() - started:.1f} s", flush=True)
     items = load_items(assets / "musique_dev.json", 2 if dry else 20)
     steps = Steps(out, budget_s - (time.monotonic() - started))
@@ -205,7 +253,9 @@ def run(assets: Path, out: Path, dry: bool, budget_s: float) -> None:
     question = items[0].question
     steps.run("lower_right", 5, lambda: lower_right_step(engine, question, chunks))
     steps.run("exact", 60, lambda: exact_step(assets, out / "exact-work"))
-    steps.run("decode", 90, lambda: decode_step(engine, items, dry, out))
+    few = chunks[: 2 if dry else 16]
+    steps.run("static_exact", 20, lambda: static_exact_step(engine, question, few))
+    steps.run("decode", 120, lambda: decode_step(engine, items, dry, out))
     steps.run("scaling", 120, lambda: scaling_step(engine, items, dry, out))
     result = {"machine": machine_info(engine), "dry_run": dry, **summary(steps.done)}
     (out / "summary.json").write_text(json.dumps(result, indent=2, default=str))

@@ -144,6 +144,11 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="vllm: the parts to run (ttft, throughput, agreement, frameworks, prefix-hit)",
     )
+    p.add_argument(
+        "--static-on-cpu",
+        action="store_true",
+        help="decode: time the static decode on CPU too (opt-in there; CUDA takes it by default)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 2 items, tiny sizes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG files")
     p.add_argument(
@@ -172,6 +177,7 @@ def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any
         "scoring": args.scoring,
         "vllm": True if args.vllm else None,
         "parts": args.parts,
+        "static_on_cpu": True if getattr(args, "static_on_cpu", False) else None,
     }
     if args.ratios is not None:
         given["strategies"] = [("full", {}), ("turbo", {})]

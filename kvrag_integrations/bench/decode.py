@@ -1,5 +1,13 @@
 """Decoding speed at batch 1 after a turbo prefill: the engine beside HF's own ``generate``.
 
+Three columns per length: the engine as it decodes by default (the static
+decode, ``engine/modeling/static_decode.py``, where it takes the model and
+device: CUDA graphs per bucket on CUDA), the engine with the static decode off
+(eager ``DynamicCache`` steps, as before issue 46), and HF's ``generate``. The
+engine's column says how it decoded (``static, bucket N, CUDA graph`` or
+``eager: why``) and the first capture's seconds per bucket. On CPU the static
+decode is opt-in (``--static-on-cpu`` times it there).
+
 For each prompt length (chunks of ``chunk_tokens`` tokens after the chat
 template, a question after them), ms per decoded token is
 ``(t(N tokens) - t(1 token)) / (generated - 1)``: the prefill (and TTFT) cancel
@@ -14,11 +22,14 @@ tokens) with 65 new tokens: what issue 46 measures (the Llama-3.1-8B shape,
 
 Examples:
     python -m kvrag_integrations.bench decode --lengths 1024,4096
+    python -m kvrag_integrations.bench decode --quick --static-on-cpu
     python -m kvrag_integrations.bench decode --preset gpu --model llama-3.1-8b --dummy-weights
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,10 +49,40 @@ def _per_token_ms(t1: float, tn: float, generated: int) -> float:
     return (tn - t1) / max(generated - 1, 1) * 1000
 
 
+@contextmanager
+def static_devices(engine: Any, devices: Sequence[str] | None) -> Iterator[Any]:
+    """Within the block, the engine decodes statically on ``devices`` (``()``: never;
+    None: its default); yields its ``StaticDecoder``."""
+    decoder = engine.loaded.decoder
+    before = decoder.devices
+    if devices is not None:
+        decoder.devices = tuple(devices)
+    try:
+        yield decoder
+    finally:
+        decoder.devices = before
+
+
 def engine_decode(
+    engine: Any,
+    question: str,
+    chunks: list[str],
+    new_tokens: int,
+    repeats: int,
+    devices: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """The engine's ms per decoded token after turbo over ``chunks`` (stored first),
+    decoding statically on ``devices`` (see ``static_devices``), and how it decoded."""
+    with static_devices(engine, devices) as decoder:
+        point = _engine_decode(engine, question, chunks, new_tokens, repeats)
+        point["path"] = decoder.last
+        point["capture_s"] = {str(k): round(v, 3) for k, v in decoder.capture_s.items()}
+    return point
+
+
+def _engine_decode(
     engine: Any, question: str, chunks: list[str], new_tokens: int, repeats: int
 ) -> dict[str, Any]:
-    """The engine's ms per decoded token after turbo over ``chunks`` (stored first)."""
     engine.encode_chunks(chunks, show_progress=False)
     request = dict(question=question, chunks=chunks, strategy="turbo")
 
@@ -91,6 +132,7 @@ def run(
     max_new_tokens: int = 65,
     repeats: int = 3,
     hf: bool = True,
+    static_on_cpu: bool = False,
 ) -> dict[str, Any]:
     """ms per decoded token at each prompt length, the engine's and HF's.
 
@@ -104,7 +146,10 @@ def run(
         max_new_tokens: tokens decoded in the long run (the short one decodes 1).
         repeats: timed runs per measurement, after one warm-up.
         hf: also time HF's ``generate`` on the same prompt.
+        static_on_cpu: time the static decode on CPU too (else the engine's
+            default: CUDA only, so on CPU the first column is eager as well).
     """
+    static = ("cpu", "cuda") if static_on_cpu else None
     question = items[0].question
     pool = chunk_pool(engine.tokenizer, items, chunk_tokens)
     limit = engine.context_window - max_new_tokens
@@ -119,14 +164,15 @@ def run(
             "target_tokens": target,
             "prompt_tokens": prompt.num_tokens,
             "n_chunks": n,
-            "engine": engine_decode(engine, question, chunks, max_new_tokens, repeats),
+            "engine": engine_decode(engine, question, chunks, max_new_tokens, repeats, static),
+            "eager": engine_decode(engine, question, chunks, max_new_tokens, repeats, ()),
         }
         if hf:
             point["hf"] = hf_decode(engine, prompt.input_ids, max_new_tokens, repeats)
             point["engine_over_hf"] = point["engine"]["ms_per_token"] / point["hf"]["ms_per_token"]
         points.append(point)
     return {"chunk_tokens": chunk_tokens, "max_new_tokens": max_new_tokens,
-            "repeats": repeats, "points": points}  # fmt: skip
+            "repeats": repeats, "static_on_cpu": static_on_cpu, "points": points}  # fmt: skip
 
 
 def table(payload: dict[str, Any]) -> str:
@@ -135,12 +181,18 @@ def table(payload: dict[str, Any]) -> str:
     rows = []
     for p in payload["points"]:
         hf = p.get("hf", {}).get("ms_per_token")
+        eager = p.get("eager", {}).get("ms_per_token")
+        captures = p["engine"].get("capture_s") or {}
         rows.append([
             int(p["prompt_tokens"]), p["n_chunks"], round(p["engine"]["ttft_ms"], 1),
             round(p["engine"]["ms_per_token"], 2), p["engine"]["generated"],
+            p["engine"].get("path") or "-",
+            ", ".join(f"{k}: {v:.2f}" for k, v in captures.items()) or "-",
+            "-" if eager is None else round(eager, 2),
             "-" if hf is None else round(hf, 2),
             "-" if hf is None else f"{p['engine_over_hf']:.2f}x",
         ])  # fmt: skip
     headers = ["prompt tokens", "chunks", "engine TTFT (turbo, ms)", "engine ms/token",
-               "engine tokens", "HF generate ms/token", "engine / HF"]  # fmt: skip
+               "engine tokens", "engine decoded", "first capture (s, per bucket)",
+               "engine eager ms/token", "HF generate ms/token", "engine / HF"]  # fmt: skip
     return markdown_table(headers, rows)

@@ -101,6 +101,7 @@ def answer(
                     engine.eos_token_ids,
                     cancel,
                     _constraint(engine, request),
+                    engine.loaded.decoder,
                 )
                 if request.logprobs is not None and result.token_ids:
                     # The sampled token too, even outside the top k (as vLLM reports it).

@@ -125,17 +125,25 @@ def test_decode_suite_preset_smoke_run_and_report(tiny_loaded: LoadedModel, tmp_
     assert max(options["lengths"]) < 256 and options["max_new_tokens"] < 65
     loaded = shapes.dummy_model("tiny-llama", "cpu", tokenizer=tiny_loaded.tokenizer)
     engine = KVRAGEngine(loaded, cache_precision="model", on_miss="encode")
-    payload = decode.run(engine, load_items(None, 2), **options)
+    assert suite_options(decode, parser().parse_args(["decode", "--static-on-cpu"]))[
+        "static_on_cpu"
+    ]
+    payload = decode.run(engine, load_items(None, 2), **options, static_on_cpu=True)
     assert [p["target_tokens"] for p in payload["points"]] == options["lengths"]
     for point in payload["points"]:
         assert point["prompt_tokens"] >= point["target_tokens"]
         assert point["hf"]["generated"] == options["max_new_tokens"]
         assert 1 <= point["engine"]["generated"] <= options["max_new_tokens"]
         assert isinstance(point["engine"]["ms_per_token"], float)  # (a smoke run times nothing)
+        # the engine's column decoded statically (an eager step on CPU), the next eagerly
+        assert point["engine"]["path"].startswith("static, bucket ")
+        assert point["eager"]["path"].startswith("eager: device cpu")
+        assert point["eager"]["generated"] == point["engine"]["generated"]
+    assert engine.loaded.decoder.devices == ("cuda",)  # the run's opt-in is undone
     named = parser().parse_args(
         ["decode", "--preset", "gpu", "--model", "llama-3.1-8b", "--dummy-weights"]
     )
     assert result_name("decode", named, engine) == "gpu-decode-llama-3.1-8b"
     text = gpu_section(decode, "decode", payload, tmp_path)
     assert text.startswith("## On a GPU: decoding at batch 1 after turbo, tiny-llama")
-    assert "HF generate ms/token" in text
+    assert "HF generate ms/token" in text and "engine eager ms/token" in text

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +29,7 @@ from kvrag_integrations.engine.modeling.sampling import (
 if TYPE_CHECKING:
     from transformers import StopStringCriteria
 
+    from kvrag_integrations.engine.modeling.static_decode import StaticDecoder
     from kvrag_integrations.engine.results import GenerationResult
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "check_int",
     "choose_token",
     "decode",
+    "dynamic_steps",
     "logits_processors",
     "sampling_params",
     "stop_string_criteria",
@@ -60,6 +62,27 @@ def top_logprobs(logits: torch.Tensor, k: int, also: Sequence[int] = ()) -> dict
 def to_dynamic_cache(kv: PromptKV) -> Any:
     """A transformers DynamicCache holding the prompt K/V (views, no copy)."""
     return layered_cache([k[None] for k in kv.keys], [v[None] for v in kv.values])
+
+
+def dynamic_steps(lm: Any, kv: PromptKV) -> Callable[[int, int], torch.Tensor]:
+    """Eager decode steps, ``(token, position) -> logits``, over a ``DynamicCache``
+    made from the prompt cache on the first step (every model, every device)."""
+    cache = None
+
+    def step(token: int, position: int) -> torch.Tensor:
+        nonlocal cache
+        if cache is None:
+            cache = to_dynamic_cache(kv)
+        out = lm(
+            input_ids=torch.tensor([[token]], device=lm.device),
+            position_ids=torch.tensor([[position]], device=lm.device),
+            **cache_argument(lm, cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1]
+
+    return step
 
 
 _CRITERIA: dict[tuple[int, tuple[str, ...]], tuple[Any, StopStringCriteria | None]] = {}
@@ -172,6 +195,7 @@ def decode(
     eos_ids: Sequence[int],
     cancel: threading.Event | None = None,
     constraint: Any = None,
+    static: StaticDecoder | None = None,
 ) -> Iterator[str]:
     """Decode from a prompt cache, yielding text increments; fills ``result``.
 
@@ -184,7 +208,9 @@ def decode(
     is cut where it starts. ``cancel`` set stops decoding before the next
     forward (``finish_reason == "cancelled"``). ``constraint`` (a
     ``tool_constraint.ForcedCall``) masks each step's logits and ends decoding
-    (``"stop"``) once the text it checks is complete.
+    (``"stop"``) once the text it checks is complete. ``static`` (the weights'
+    ``StaticDecoder``) runs each step over a static cache, as a CUDA graph on
+    CUDA, where it takes the model and request; else steps run eagerly.
     """
     generator = None
     if params.seed is not None:
@@ -194,7 +220,7 @@ def decode(
     scanner = _StopScanner(params.stop)
     criteria = stop_string_criteria(tokenizer, params.stop)
     detok = TextDecoder(tokenizer)
-    cache = None
+    step_fn = None
     position = kv.next_position
     logits = first_logits
     ids = detok.ids
@@ -226,17 +252,11 @@ def decode(
         if cancel is not None and cancel.is_set():
             result.finish_reason = "cancelled"
             break
-        if cache is None:
-            cache = to_dynamic_cache(kv)
-        out = lm(
-            input_ids=torch.tensor([[token]], device=lm.device),
-            position_ids=torch.tensor([[position]], device=lm.device),
-            **cache_argument(lm, cache),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        if step_fn is None:  # the one step hook: static (graphs) or eager
+            fast = static.steps(lm, kv, params.max_new_tokens) if static is not None else None
+            step_fn = fast if fast is not None else dynamic_steps(lm, kv)
+        logits = step_fn(token, position)
         position += 1
-        logits = out.logits[0, -1]
     if params.max_new_tokens == 0:
         result.ttft_s = time.perf_counter() - started
     # One full decode at the end (the text every tokenizer agrees on); the

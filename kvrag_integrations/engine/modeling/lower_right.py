@@ -22,6 +22,10 @@ eager ones (Gemma 2's softcapping, which SDPA cannot do), and any forward
 under another wrapper (``attention_mass``), keep today's path, and the first
 is named in the log once per architecture.
 
+Within the same block, one query token over a ``[1, 1, 1, kv]`` mask (the
+static decode's step, ``engine.modeling.static_decode``) runs as one SDPA
+with each K/V head's query heads packed as its rows: no K/V copy per group.
+
 ``KVRAG_FAST_PATH=0`` (or ``false``) turns it off (the engine's fast paths'
 one switch).
 """
@@ -87,7 +91,10 @@ def _lower_right_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA lower-right on our placeholder; transformers' SDPA on anything else."""
+    """SDPA lower-right on our placeholder, one query over a mask (a static
+    decode step) with its heads packed; transformers' SDPA on anything else."""
+    if _is_one_query(query, attention_mask) and kwargs.get("softcap") is None:
+        return _packed_one_query(module, query, key, value, attention_mask, scaling)
     if not _is_placeholder(attention_mask) or kwargs.get("softcap") is not None:
         inner = attention_function(_INNER, module)
         return inner(
@@ -111,6 +118,39 @@ def _lower_right_attention(
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _is_one_query(query: torch.Tensor, mask: Any) -> bool:
+    return (
+        getattr(_active, "on", False)
+        and query.shape[2] == 1
+        and isinstance(mask, torch.Tensor)
+        and mask.dim() == 4
+        and mask.shape[2] == 1
+        and mask.shape[1] == 1
+        and not all(s == 0 for s in mask.stride())
+    )
+
+
+def _packed_one_query(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+) -> tuple[torch.Tensor, None]:
+    """One query token over ``[1, 1, 1, kv]`` mask: the query heads of each K/V head
+    as that head's rows (``[b, kv_heads, groups, d]``), so SDPA reads each K/V head
+    once and no kernel needs grouped-query support with a mask (transformers
+    copies K/V per group there before 5.24)."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=mask, scale=scaling
+    )
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def _bool_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

@@ -27,6 +27,7 @@ from kvrag_integrations.engine.modeling.hf_compat import prefer_grouped_sdpa
 from kvrag_integrations.engine.modeling.host_memory import keep_freed_memory
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.engine.modeling.self_check import check_reuse
+from kvrag_integrations.engine.modeling.static_decode import StaticDecoder
 from kvrag_integrations.engine.scheduling.costs import CostModel
 from kvrag_integrations.engine.scheduling.forward_lock import ForwardLock
 
@@ -111,6 +112,10 @@ class LoadedModel:
 
     ``costs`` keeps the measured costs of full prefill, chunk encoding and
     reuse on these weights (``CostModel``), which ``on_miss="auto"`` decides by.
+
+    ``decoder`` is the static decode of these weights (``StaticDecoder``: a
+    static cache per bucket, CUDA graphs on CUDA); made afresh for each
+    ``LoadedModel`` (``dataclasses.replace`` too), settable.
     """
 
     model: Any
@@ -122,8 +127,10 @@ class LoadedModel:
     layout: ModelLayout
     lock: ForwardLock = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     costs: CostModel = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    decoder: StaticDecoder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.decoder = StaticDecoder(self.layout)
         if self.lock is None:
             self.lock = ForwardLock(self.device)
         if self.costs is None:
