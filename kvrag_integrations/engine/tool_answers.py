@@ -4,8 +4,8 @@ as soon as it cannot be a call.
 ``EngineFrontend.open_request`` wraps each engine's job with ``with_tool_calls``
 when the request has tools. The answer is read from its token ids, which both
 engines fill as they come (``result.token_ids``), decoded with the family's
-marker tokens kept (``AnswerText``: Mistral's ``[TOOL_CALLS]`` and Llama's
-``<|python_tag|>`` are special tokens that plain text skips) and cut at the
+marker tokens kept (``AnswerText``: Mistral's and Llama's markers are special
+tokens that plain text skips) and cut at the
 request's stop strings. While it decodes, the family's detector
 (``ToolFamily.content_end``) says how much of it is text whatever follows;
 that much streams at once. At the end the family parses it

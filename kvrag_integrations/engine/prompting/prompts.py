@@ -168,7 +168,7 @@ def _user_turn_roles(chat: list[Message]) -> list[Message] | None:
     refused it (Gemma's: no system role, only alternating user and model turns).
 
     The system text leads the first user turn, and tool results become user
-    turns of ``<tool_response>`` blocks as the fallback prompt's format
+    turns of tool-response blocks as the fallback prompt's format
     (Qwen2.5's) writes them; adjacent user turns are merged. None: ``chat``
     has no system or tool message, so there is nothing to change.
     """

@@ -10,9 +10,11 @@ tool result or a message (``<|im_end|>`` say) is tokenized as the characters it
 is made of, never as the control token, so a retrieved document cannot open a
 system turn or forge a tool call. Structural tokens (``structural_tokens``) are
 the special ones and the added tokens that the chat template or the tool markup
-writes, special or not (Qwen2.5's ``<tool_call>`` is added with
-``special: false``). Only markup (``Text(..., markup=True)``: what the chat
-template itself writes) has their strings turned into control tokens.
+writes, special or not (Qwen2.5's tool-call tag is added with
+``special: false``), and any tool family's markup (``tools.plan.TOOL_MARKUP``:
+the fallback prompt may ask a model for markup its template never writes).
+Only markup (``Text(..., markup=True)``: what the chat template itself writes)
+has their strings turned into control tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvrag_integrations.engine.prompting.segments import (
     check_text,
     validate_chunk_text,
 )
+from kvrag_integrations.engine.tools.plan import TOOL_MARKUP
 
 _NO_IDS = torch.zeros(0, dtype=torch.long)  # a text piece's until its ids are made
 
@@ -44,18 +47,7 @@ _NO_IDS = torch.zeros(0, dtype=torch.long)  # a text piece's until its ids are m
 # backend for each call, which races between threads; copies with the flag
 # fixed never change, so a literal text is literal whatever other threads do.
 _BACKENDS: weakref.WeakKeyDictionary[Any, tuple[str, Any, Any]] = weakref.WeakKeyDictionary()
-# Tool markup any prompt may hold (the fallback tool prompt's, every family's): an
-# added token with one of these strings is structural whatever the template says.
-TOOL_MARKUP = (
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "[TOOL_CALLS]",
-    "[TOOL_RESULTS]",
-    "[/TOOL_RESULTS]",
-    "<|python_tag|>",
-)
+
 _BACKENDS_LOCK = threading.Lock()
 _SLOW_LOCK = threading.Lock()  # tokenizers without a Rust backend: one call at a time
 

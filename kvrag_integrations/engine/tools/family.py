@@ -62,6 +62,9 @@ class ToolFamily:
         opening: what a forced call starts with (the prompt ends with it).
         closing: what closes a call the family writes as text.
         arg_keys: keys a call object may hold besides ``name``.
+        markup: every string of this format's markup (markers, result and tool
+            list wrappers): an added token with one of them is structural, never
+            produced by literal text (``prompting.tokenize.structural_tokens``).
     """
 
     name: ClassVar[str] = "json"
@@ -71,6 +74,7 @@ class ToolFamily:
     opening: ClassVar[str] = ""
     closing: ClassVar[str] = ""
     arg_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+    markup: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def matches(cls, template: str) -> bool:

@@ -36,6 +36,7 @@ class HermesFamily(ToolFamily):
     markers: ClassVar[tuple[str, ...]] = (OPEN,)
     opening: ClassVar[str] = OPEN + "\n"
     closing: ClassVar[str] = "\n" + CLOSE
+    markup: ClassVar[tuple[str, ...]] = (OPEN, CLOSE, RESULT_OPEN.strip(), RESULT_CLOSE.strip())
 
     @classmethod
     def matches(cls, template: str) -> bool:

@@ -24,6 +24,7 @@ class LlamaFamily(ToolFamily):
     args_key: ClassVar[str] = "parameters"
     markers: ClassVar[tuple[str, ...]] = (PYTHON_TAG,)
     arg_keys: ClassVar[tuple[str, ...]] = ("parameters", "arguments")
+    markup: ClassVar[tuple[str, ...]] = (PYTHON_TAG, "<|eom_id|>")
 
     @classmethod
     def matches(cls, template: str) -> bool:

@@ -45,6 +45,13 @@ class MistralFamily(ToolFamily):
     markers: ClassVar[tuple[str, ...]] = (TOOL_CALLS,)
     opening: ClassVar[str] = TOOL_CALLS + "["
     closing: ClassVar[str] = "]"
+    markup: ClassVar[tuple[str, ...]] = (
+        TOOL_CALLS,
+        "[TOOL_RESULTS]",
+        "[/TOOL_RESULTS]",
+        "[AVAILABLE_TOOLS]",
+        "[/AVAILABLE_TOOLS]",
+    )
 
     @classmethod
     def matches(cls, template: str) -> bool:

@@ -35,6 +35,12 @@ FAMILIES: tuple[type[ToolFamily], ...] = (
 ``matches`` holds)."""
 
 
+TOOL_MARKUP: frozenset[str] = frozenset(
+    m for cls in (FallbackFamily, *FAMILIES) for m in cls.markup
+)
+"""Every family's markup strings (structural wherever they are added tokens)."""
+
+
 def family_for(tokenizer: Any) -> ToolFamily:
     """The tool family of ``tokenizer``'s chat template (``FallbackFamily`` without tools).
 
