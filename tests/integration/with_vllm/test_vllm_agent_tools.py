@@ -252,7 +252,7 @@ def test_json_tool_results_and_markup_in_passages_over_the_server(
     folder, name = checkpoint_folder(None)
     tok = AutoTokenizer.from_pretrained(folder)
     texts = musique.chunks(71, PASSAGES, tag="agent-json")
-    chunks = ingest(tool_server.url, texts, tmp_path / "json")
+    chunks = ingest(tool_server.url, texts, tmp_path)
     # A tool returning JSON (json.dumps of its documents): quotes, newlines and
     # non-ASCII escaped, so the passages are not in the prompt as they were stored.
     dumped = json.dumps([{"page_content": t, "metadata": m} for t, m in chunks])
