@@ -31,6 +31,12 @@ class UnsupportedInputError(KVRAGError, ValueError):
     """
 
 
+class ToolCallError(KVRAGError, ValueError):
+    """A tool call was asked for and the model's answer holds none that is valid
+    (LlamaIndex's ``get_tool_calls_from_response``; LangChain reports such output
+    in ``invalid_tool_calls`` instead)."""
+
+
 class UnsupportedEngineError(KVRAGError, TypeError):
     """An engine lacks what a component needs (the message names the members)."""
 

@@ -30,12 +30,12 @@ from kvrag_integrations.engine.prompting.segments import (
     TokenizedPrompt,
 )
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
-from kvrag_integrations.engine.prompting.tools import ToolPlan, forced_start, plan_tools
 from kvrag_integrations.engine.request import Request, RequestOptions
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.strategies import make_strategy
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream, Job
 from kvrag_integrations.engine.tool_answers import with_tool_calls
+from kvrag_integrations.engine.tools.plan import ToolPlan, plan_tools
 from kvrag_integrations.errors import check_fits
 
 
@@ -68,9 +68,9 @@ class EngineFrontend(ABC):
     def forced_lead(self, plan: ToolPlan) -> str:
         """The forced call's start the prompt ends with past its opening markup: the
         in-process engine writes ``{"name": "<tool>", "<args key>": `` and
-        constrains the rest (``modeling.tool_constraint``); an engine with its own
+        constrains the rest (``tools.constraint``); an engine with its own
         constrained decoding (vLLM's structured outputs) writes none."""
-        return forced_start(plan)[0]
+        return plan.forced_start()[0]
 
     # ------------------------------------------------------------- requests
     def open_request(
@@ -106,7 +106,9 @@ class EngineFrontend(ABC):
         started = time.perf_counter()
         self.check_options(options)
         strategy = make_strategy(options.strategy, **options.strategy_options)
-        tools = plan_tools(self.tokenizer, options.tools, options.tool_choice)
+        tools = plan_tools(
+            self.tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls
+        )
         segs = self.build_segments(
             question=question,
             chunks=chunks,
@@ -219,7 +221,9 @@ class EngineFrontend(ABC):
                 ``stop``, ``stop_token_ids``, ``on_miss``, ``logprobs`` (the first
                 token's top-k log-probabilities in ``first_token_logprobs``),
                 ``tools`` (OpenAI function schemas) with ``tool_choice`` ("auto",
-                "required", "none" or a tool's name; calls in ``tool_calls``) and
+                "required", "none" or a tool's name; calls in ``tool_calls``,
+                malformed ones in ``invalid_tool_calls``) and ``parallel_tool_calls``
+                (False: the first call only), and
                 strategy options (e.g. ``positions="composite"`` for turbo).
 
         Returns:

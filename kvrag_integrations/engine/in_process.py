@@ -26,15 +26,14 @@ from kvrag_integrations.engine.caching.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.caching.entries import Miss
 from kvrag_integrations.engine.modeling.generate import decode, top_logprobs
 from kvrag_integrations.engine.modeling.model import LoadedModel
-from kvrag_integrations.engine.modeling.tool_constraint import ForcedCall, schema_keys
 from kvrag_integrations.engine.prompting.segments import TokenizedPrompt, cache_leading_text
-from kvrag_integrations.engine.prompting.tools import forced_start
 from kvrag_integrations.engine.request import Request
 from kvrag_integrations.engine.results import ChunkSources, GenerationResult, PrefillResult
 from kvrag_integrations.engine.scheduling.background import BackgroundEncoder
 from kvrag_integrations.engine.scheduling.miss_policy import Misses, decide
 from kvrag_integrations.engine.strategies import Strategy, make_strategy
 from kvrag_integrations.engine.streaming import acquire
+from kvrag_integrations.engine.tools.constraint import ForcedCall, schema_keys
 from kvrag_integrations.store import KVStore
 
 logger = logging.getLogger("kvrag_integrations.engine.request")  # the name docs give it
@@ -119,7 +118,7 @@ def _constraint(engine: InProcessEngine, request: Request) -> ForcedCall | None:
     plan = request.tools
     if plan is None or not plan.forced:
         return None
-    _, heads, written = forced_start(plan)
+    _, heads, written = plan.forced_start()
     schema = plan.schemas[plan.forced[0]] if len(plan.forced) == 1 else {}
     one_key = len(schema.get("properties") or {}) == 1
     keys = [schema_keys(plan.schemas[name]) for name in plan.forced]  # one per head

@@ -16,9 +16,14 @@ from typing import Any
 
 from kvrag_integrations.engine.modeling.sampling import SAMPLING_ARGS, SamplingParams, check_int
 from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
-from kvrag_integrations.engine.prompting.tools import ToolPlan, check_tool_choice, check_tools
 from kvrag_integrations.engine.scheduling.miss_policy import ON_MISS, check_on_miss
 from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
+from kvrag_integrations.engine.tools.plan import (
+    ToolPlan,
+    check_parallel,
+    check_tool_choice,
+    check_tools,
+)
 
 __all__ = ["ON_MISS", "Request", "RequestOptions", "check_on_miss"]
 
@@ -41,9 +46,10 @@ class RequestOptions:
     first generated token's ``k`` likeliest log-probabilities
     (``GenerationResult.first_token_logprobs``; an int >= 1, else ``TypeError``
     or ``ValueError``); None, none. ``tools``: OpenAI function schemas the
-    model may call (``prompting.tools.check_tools``); ``tool_choice``:
+    model may call (``tools.plan.check_tools``); ``tool_choice``:
     ``"auto"`` (None), ``"required"``, ``"none"`` or a tool's name (or OpenAI's
-    named form), checked against them.
+    named form), checked against them; ``parallel_tool_calls``: None or True,
+    every call the model writes, False the first only.
 
     Examples:
         >>> blend = RequestOptions().merged(
@@ -68,6 +74,7 @@ class RequestOptions:
     logprobs: int | None = None
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -78,13 +85,15 @@ class RequestOptions:
             object.__setattr__(self, "logprobs", check_int("logprobs", self.logprobs, minimum=1))
         object.__setattr__(self, "tools", check_tools(self.tools))
         check_tool_choice(self.tool_choice, self.tools)
+        check_parallel(self.parallel_tool_calls)
         object.__setattr__(self, "strategy_options", _option_dict(self.strategy_options))
         make_strategy(self.strategy, **self.strategy_options)
 
     def merged(self, call: Mapping[str, Any]) -> RequestOptions:
         """These options overridden by ``call`` (the engine's argument names).
 
-        ``strategy``, ``on_miss``, ``logprobs``, ``tools``, ``tool_choice`` and the
+        ``strategy``, ``on_miss``, ``logprobs``, ``tools``, ``tool_choice``,
+        ``parallel_tool_calls`` and the
         sampling arguments (``SAMPLING_ARGS``)
         replace their values (None too: an adapter whose framework means "not
         given" by None leaves the key out). ``strategy_options`` (a mapping;
@@ -117,11 +126,13 @@ class RequestOptions:
             kwargs["tools"] = list(self.tools)
         if self.tool_choice is not None:
             kwargs["tool_choice"] = self.tool_choice
+        if self.parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = self.parallel_tool_calls
         return kwargs
 
 
 # request options that are not the strategy's
-_REPLACED = ("strategy", "on_miss", "logprobs", "tools", "tool_choice")
+_REPLACED = ("strategy", "on_miss", "logprobs", "tools", "tool_choice", "parallel_tool_calls")
 
 
 def _option_dict(options: Any) -> dict[str, Any]:

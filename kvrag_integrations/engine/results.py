@@ -19,13 +19,20 @@ from kvrag_integrations.chunk_kv import cache_key
 if TYPE_CHECKING:  # annotations only
     from kvrag_integrations.engine.modeling.forward import PromptKV
     from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
-    from kvrag_integrations.engine.prompting.tools import ToolCall
+    from kvrag_integrations.engine.tools.calls import InvalidToolCall, ToolCall
 
 __all__ = ["ChunkSources", "GenerationResult", "PrefillOutput", "PrefillResult"]
 
 # What GenerationResult.stats leaves out: the answer itself, not numbers about it.
 _NOT_STATS = frozenset(
-    {"text", "token_ids", "first_token_logits", "first_token_logprobs", "tool_calls"}
+    {
+        "text",
+        "token_ids",
+        "first_token_logits",
+        "first_token_logprobs",
+        "tool_calls",
+        "invalid_tool_calls",
+    }
 )
 
 
@@ -74,9 +81,12 @@ class GenerationResult:
         first_token_logprobs: ``{token id: log-probability}`` of the first generated
             token's likeliest tokens, where the engine reports those instead of
             logits (``VLLMEngine`` with ``logprobs=k``).
-        tool_calls: the tool calls the model made (``prompting.tools.ToolCall``:
-            name, arguments, id), parsed from its text when the request had
-            ``tools``; ``text`` is then what the model wrote besides them.
+        tool_calls: the tool calls the model made (``tools.ToolCall``: name,
+            arguments, id), parsed from its text by the request's tool family
+            when it had ``tools``; ``text`` is then what the model wrote besides them.
+        invalid_tool_calls: output in the family's call format that is no valid
+            call (``tools.InvalidToolCall``: raw text, name, id, error), as
+            LangChain's ``invalid_tool_calls``.
     """
 
     text: str = ""
@@ -105,6 +115,7 @@ class GenerationResult:
     miss_reason: str = ""
     first_token_logprobs: dict[int, float] | None = field(default=None, repr=False)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    invalid_tool_calls: list[InvalidToolCall] = field(default_factory=list)
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -1,66 +1,136 @@
-"""A request with tools: its text held back while it may be a call, its calls parsed.
+"""A request with tools: its answer read by the request's tool family, text streamed
+as soon as it cannot be a call.
 
 ``EngineFrontend.open_request`` wraps each engine's job with ``with_tool_calls``
-when the request has tools: the model's text streams as usual once it cannot
-be a call; while it may be one (it starts like a call's markup or JSON, and
-always under a forced choice) it is held back. At the end the generated ids
-are decoded with their special tokens (Mistral's ``[TOOL_CALLS]``, Llama's
-``<|python_tag|>``), behind the forced start the prompt ended with, and parsed
-(``prompting.tool_parsing``) into ``GenerationResult.tool_calls``; ``text``
-is then what the model wrote besides them.
+when the request has tools. The answer is read from its token ids, which both
+engines fill as they come (``result.token_ids``), decoded with the family's
+marker tokens kept (``AnswerText``: Mistral's and Llama's markers are special
+tokens that plain text skips) and cut at the
+request's stop strings. While it decodes, the family's detector
+(``ToolFamily.content_end``) says how much of it is text whatever follows;
+that much streams at once. At the end the family parses it
+(``ToolFamily.parse``) into the text, the calls and the invalid calls. The
+detector never releases text the parse would not keep, so the streamed pieces
+are a prefix of the final text and the rest follows: a stream equals ``generate``
+on the same seed, calls and their ids included (ids drawn from the prompt and
+answer). Under a forced choice nothing streams: the answer is the call, closed
+if ``max_new_tokens`` cut it short.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvrag_integrations.engine.modeling.tool_constraint import close_call
-from kvrag_integrations.engine.prompting.tool_parsing import parse_tool_calls
+from kvrag_integrations.engine.modeling.generate import TextDecoder
 from kvrag_integrations.engine.request import Request
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.streaming import Job
+from kvrag_integrations.engine.tools.calls import Parsed
+from kvrag_integrations.engine.tools.plan import ToolPlan
 
-# How a call's text may begin (special tokens are skipped in streamed text).
-_CALL_STARTS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "```", "{", "[")
+logger = logging.getLogger("kvrag_integrations.engine.engine")
 
 
-def may_be_call(text: str) -> bool:
-    """Whether ``text`` may still turn out to be a tool call (held back meanwhile).
+class AnswerText:
+    """An answer's text from its token ids as they come: special tokens skipped but
+    the family's markers (``marker_ids``), decoded incrementally."""
 
-    Examples:
-        >>> may_be_call("  <tool"), may_be_call('{"name"'), may_be_call("Paris is")
-        (True, True, False)
-    """
-    head = text.lstrip()
-    return any(head.startswith(s) or s.startswith(head) for s in _CALL_STARTS)
+    def __init__(self, tokenizer: Any, markers: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.marker_ids = _marker_ids(tokenizer, markers)
+        self._done = ""  # text up to the last marker, marker included
+        self._decoder = TextDecoder(tokenizer)
+        self._run = ""  # text of the ids after it
+        self._seen = 0
+
+    def text(self, ids: Sequence[int], final: bool = False) -> str:
+        """The text of ``ids`` (a longer list each call: the same answer growing)."""
+        for token in list(ids[self._seen :]):
+            marker = self.marker_ids.get(token)
+            if marker is None:
+                self._run += self._decoder.push(token)
+                continue
+            self._done += self._run + self._decoder.flush() + marker
+            self._decoder, self._run = TextDecoder(self.tokenizer), ""
+        self._seen = len(ids)
+        if final:
+            self._run += self._decoder.flush()
+        return self._done + self._run
+
+
+def _marker_ids(tokenizer: Any, markers: Sequence[str]) -> dict[int, str]:
+    """The ids of markers that are one added token each (their text: special ones
+    are skipped by plain decoding)."""
+    vocab = getattr(tokenizer, "get_added_vocab", dict)()
+    return {vocab[m]: m for m in markers if m in vocab}
+
+
+def _stop_cut(text: str, stops: Sequence[str]) -> tuple[str, int]:
+    """``text`` up to its first stop string, and how long an end of it may begin one."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    if hits:
+        return text[: min(hits)], 0
+    hold = max((len(s) - 1 for s in stops if s), default=0)
+    for k in range(min(hold, len(text)), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stops):
+            return text, k
+    return text, 0
 
 
 def with_tool_calls(job: Job, request: Request, result: GenerationResult, tokenizer: Any) -> Job:
-    """``job`` with its text held back while it may be a call, and its calls parsed."""
+    """``job`` with its answer read by the request's tool family (module docstring)."""
     plan = request.tools
     assert plan is not None
+    family = plan.family
+    stops = request.sampling.stop
 
     def run(cancel: threading.Event) -> Iterator[str]:
-        text, holding = "", True
-        for piece in job(cancel):
-            text += piece
-            if holding and (plan.forced or may_be_call(text)):
+        answer = AnswerText(tokenizer, family.markers)
+        emitted = ""
+        for _ in job(cancel):
+            if plan.forced:
                 continue
-            yield text if holding else piece
-            holding = False
-        generated = tokenizer.decode(result.token_ids, skip_special_tokens=False)
-        if plan.forced:  # a call cut short by max_new_tokens is closed
-            call = close_call(request.lead + generated)
-            generated = plan.prompt_tail + call + plan.format.closing
-        content, calls = parse_tool_calls(generated)
-        if calls:
-            result.tool_calls = calls
-            result.text = content
-        elif plan.forced:  # cut short (max_new_tokens): what was written, as text
-            result.text = generated
-        if holding and result.text:
-            yield result.text
+            text, held = _stop_cut(answer.text(result.token_ids), stops)
+            end = min(family.content_end(text, plan.names), len(text) - held)
+            if end > len(emitted):
+                piece = text[len(emitted) : end]
+                emitted += piece
+                yield piece
+        text, _ = _stop_cut(answer.text(result.token_ids, final=True), stops)
+        parsed = _read(plan, request, result, text)
+        result.text = parsed.content
+        result.tool_calls = list(parsed.calls)
+        result.invalid_tool_calls = list(parsed.invalid)
+        if not parsed.content.startswith(emitted):  # the detector's contract broken
+            logger.warning("streamed tool-answer text is no prefix of the parsed text")
+        elif len(parsed.content) > len(emitted):
+            yield parsed.content[len(emitted) :]
 
     return run
+
+
+def _read(plan: ToolPlan, request: Request, result: GenerationResult, text: str) -> Parsed:
+    """The answer parsed by the plan's family (a forced call closed and read), the
+    calls cut to the first where ``parallel_tool_calls`` is False."""
+    seed = _seed(request, result.token_ids)
+    if plan.forced:
+        forced = plan.family.forced_call(request.lead + text, plan.forced, seed)
+        parsed = forced if forced is not None else Parsed(text)  # cut short: as text
+    else:
+        parsed = plan.family.parse(text, plan.names, seed)
+    if plan.parallel or len(parsed.calls) + len(parsed.invalid) <= 1:
+        return parsed
+    if parsed.calls:
+        return Parsed(parsed.content, parsed.calls[:1])
+    return Parsed(parsed.content, (), parsed.invalid[:1])
+
+
+def _seed(request: Request, answer: Sequence[int]) -> bytes:
+    """What a request's call ids are drawn from: its prompt and answer ids."""
+    digest = hashlib.sha256(request.prompt.input_ids.numpy().tobytes())
+    digest.update(b"|" + ",".join(map(str, answer)).encode())
+    return digest.digest()

@@ -21,7 +21,12 @@ from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.langchain.hooks import install_hooks
 from kvrag_integrations.langchain.messages import to_engine_messages
-from kvrag_integrations.langchain.tools import bind_tools, tool_call_chunks, tool_calls
+from kvrag_integrations.langchain.tools import (
+    bind_tools,
+    invalid_tool_calls,
+    tool_call_chunks,
+    tool_calls,
+)
 
 # LangChain parameter name -> engine argument name.
 _SAMPLING = {
@@ -206,7 +211,6 @@ class ChatKVRAG(BaseChatModel):
         """
         kwargs = dict(kwargs)
         kwargs.pop("stream", None)
-        kwargs.pop("parallel_tool_calls", None)  # the model may write several calls
         if kwargs.pop("n", 1) != 1:
             raise UnsupportedInputError(
                 "ChatKVRAG returns one completion per call (n > 1 is not supported); "
@@ -280,6 +284,7 @@ class ChatKVRAG(BaseChatModel):
         message = AIMessage(
             content=result.text,
             tool_calls=tool_calls(result),
+            invalid_tool_calls=invalid_tool_calls(result),
             usage_metadata=_usage(result),
             response_metadata=_metadata(engine, result),
         )

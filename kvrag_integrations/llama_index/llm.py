@@ -30,6 +30,7 @@ from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY
 from kvrag_integrations.errors import UnsupportedInputError
 from kvrag_integrations.llama_index.hooks import install_hooks, known_chunks
 from kvrag_integrations.llama_index.tools import (
+    invalid_calls,
     message_tool_fields,
     openai_calls,
     prepare_chat_with_tools,
@@ -52,10 +53,13 @@ _CALL_OPTIONS = (
     "on_miss",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
 )
 # The instance's fields that are request options (the engine's names).
 _SETTINGS = tuple(
-    name for name in _CALL_OPTIONS if name not in ("top_k", "on_miss", "tools", "tool_choice")
+    name
+    for name in _CALL_OPTIONS
+    if name not in ("top_k", "on_miss", "tools", "tool_choice", "parallel_tool_calls")
 )
 
 
@@ -178,7 +182,9 @@ class KVRAGLLM(FunctionCallingLLM):
         tool_required: bool = False,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        return prepare_chat_with_tools(tools, user_msg, chat_history, tool_required, kwargs)
+        return prepare_chat_with_tools(
+            tools, user_msg, chat_history, tool_required, kwargs, allow_parallel_tool_calls
+        )
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
@@ -252,18 +258,19 @@ class KVRAGLLM(FunctionCallingLLM):
             messages=request.messages, known_chunks=request.known_chunks, **request.options
         )
 
-    def _run(self, request: _Request) -> tuple[str, dict[str, Any]]:
+    def _run(self, request: _Request) -> tuple[str, Any]:
+        """The answer's text and result (this call's own: never another thread's)."""
         stream = self._open(request)
         text = "".join(stream)
         self._last_result = stream.result
-        return text, stream.result.stats
+        return text, stream.result
 
-    async def _arun(self, request: _Request) -> tuple[str, dict[str, Any]]:
+    async def _arun(self, request: _Request) -> tuple[str, Any]:
         stream = self._open(request, asynchronous=True)
         async with stream:
             text = "".join([piece async for piece in stream])
         self._last_result = stream.result
-        return text, stream.result.stats
+        return text, stream.result
 
     def _pieces(self, stream: Any) -> Iterator[tuple[str, str, dict[str, Any]]]:
         """``(text so far, delta, stats)`` per piece, then a final ``delta=""`` with all stats.
@@ -297,19 +304,19 @@ class KVRAGLLM(FunctionCallingLLM):
             yield CompletionResponse(text=text, delta=delta, additional_kwargs=stats, raw=stats)
 
     def _chat_gen(self, stream: Any) -> ChatResponseGen:
-        for text, delta, stats in self._pieces(stream):
-            yield _chat_response(text, stats, delta, stream.result.tool_calls)
+        for text, delta, _ in self._pieces(stream):
+            yield _chat_response(text, stream.result, delta)
 
     async def _achat_gen(self, stream: Any) -> ChatResponseAsyncGen:
-        async for text, delta, stats in self._apieces(stream):
-            yield _chat_response(text, stats, delta, stream.result.tool_calls)
+        async for text, delta, _ in self._apieces(stream):
+            yield _chat_response(text, stream.result, delta)
 
     # ---------------------------------------------------------- completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Answer ``prompt`` as one user message (after ``system_prompt`` if set)."""
-        text, stats = self._run(self._prompt_request(prompt, kwargs))
-        return CompletionResponse(text=text, additional_kwargs=stats, raw=stats)
+        text, result = self._run(self._prompt_request(prompt, kwargs))
+        return CompletionResponse(text=text, additional_kwargs=result.stats, raw=result.stats)
 
     @llm_completion_callback()
     def stream_complete(
@@ -322,8 +329,8 @@ class KVRAGLLM(FunctionCallingLLM):
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        text, stats = await self._arun(self._prompt_request(prompt, kwargs))
-        return CompletionResponse(text=text, additional_kwargs=stats, raw=stats)
+        text, result = await self._arun(self._prompt_request(prompt, kwargs))
+        return CompletionResponse(text=text, additional_kwargs=result.stats, raw=result.stats)
 
     @llm_completion_callback()
     async def astream_complete(
@@ -336,8 +343,8 @@ class KVRAGLLM(FunctionCallingLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer the conversation; roles are kept and the chat template applied."""
-        text, stats = self._run(self._chat_request(messages, kwargs))
-        return _chat_response(text, stats, calls=self._last_result.tool_calls)
+        text, result = self._run(self._chat_request(messages, kwargs))
+        return _chat_response(text, result)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -346,8 +353,8 @@ class KVRAGLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        text, stats = await self._arun(self._chat_request(messages, kwargs))
-        return _chat_response(text, stats, calls=self._last_result.tool_calls)
+        text, result = await self._arun(self._chat_request(messages, kwargs))
+        return _chat_response(text, result)
 
     @llm_chat_callback()
     async def astream_chat(
@@ -372,9 +379,13 @@ def _message_text(message: ChatMessage) -> str:
     return "\n".join(parts)  # as ChatMessage.content joins them
 
 
-def _chat_response(
-    text: str, stats: dict[str, Any], delta: str | None = None, calls: Sequence[Any] = ()
-) -> ChatResponse:
-    extra = {"tool_calls": openai_calls(calls)} if calls else {}
+def _chat_response(text: str, result: Any, delta: str | None = None) -> ChatResponse:
+    """A chat response from a call's own result (its calls once it has them)."""
+    stats = result.stats
+    extra: dict[str, Any] = {}
+    if result.tool_calls:
+        extra["tool_calls"] = openai_calls(result.tool_calls)
+    if result.invalid_tool_calls:
+        extra["invalid_tool_calls"] = invalid_calls(result.invalid_tool_calls)
     message = ChatMessage(role=MessageRole.ASSISTANT, content=text, additional_kwargs=extra)
     return ChatResponse(message=message, delta=delta, additional_kwargs=stats, raw=stats)

@@ -124,6 +124,7 @@ class Detector:
         max_entry_tokens: the longest prompt stored as an entry.
         learn_min_tokens: shorter prompts and remainders are not learned (0: the
             server learns nothing; it still finds what was ingested).
+        control_ids: the model's structural token ids (``markup_after``).
     """
 
     index: RunIndex
@@ -134,6 +135,7 @@ class Detector:
     max_glue_tokens: int = MAX_GLUE_TOKENS
     max_prefix_tokens: int = MAX_PREFIX_TOKENS
     min_share: float = MIN_SHARE
+    control_ids: frozenset[int] = frozenset()
     _known: dict[str, bool] = field(default_factory=dict, repr=False)
 
     def detect(
@@ -194,7 +196,11 @@ class Detector:
         indexed (they are forgotten, and the cover is asked again)."""
         held = _ContextCheck(prompt)
         for _ in range(3):
-            runs = list(self.index.cover(fingerprint, prompt, held))
+            runs = [
+                r
+                for r in self.index.cover(fingerprint, prompt, held)
+                if not markup_after(r, prompt, self.control_ids)
+            ]
             gone = {r.entry for r in runs if not self._stored(fingerprint, r.entry)}
             if not gone:
                 return runs
@@ -264,6 +270,23 @@ class _Run:
     length: int
     entry: tuple[int, ...]
     offset: int
+
+
+def markup_after(run: RunLike, prompt: Sequence[int], control_ids: frozenset[int]) -> bool:
+    """Whether ``run`` continues a stored text right after a control token of the
+    prompt that the entry does not hold there: a passage whose own text vLLM
+    rendered as markup (vLLM tokenizes a rendered chat prompt with special-token
+    strings as control tokens, documents' too). Its rows saw the text as
+    characters; it is not loaded as a passage, the prompt computes it.
+
+    Examples:
+        >>> from types import SimpleNamespace as Run
+        >>> markup_after(Run(start=3, offset=5), [7, 8, 2, 9], frozenset({2}))
+        True
+        >>> markup_after(Run(start=3, offset=0), [7, 8, 2, 9], frozenset({2}))
+        False
+    """
+    return run.offset > 0 and run.start > 0 and prompt[run.start - 1] in control_ids
 
 
 class _ContextCheck:

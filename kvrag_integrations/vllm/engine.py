@@ -44,12 +44,12 @@ from kvrag_integrations.engine.prompting.segments import (
     TokenizedPrompt,
     cache_leading_text,
 )
-from kvrag_integrations.engine.prompting.tools import ToolPlan
 from kvrag_integrations.engine.request import Request, RequestOptions
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.scheduling.ledger import EncodeLedger
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, check_on_miss
 from kvrag_integrations.engine.streaming import Job
+from kvrag_integrations.engine.tools.plan import ToolPlan
 from kvrag_integrations.errors import ConnectorMissingError, TransferParamsError
 from kvrag_integrations.vllm import launch
 from kvrag_integrations.vllm.backend import Backend, BackendRequest, sampling_args

@@ -94,6 +94,7 @@ def _detector(config: Any, settings: Any) -> tuple[Detector, Forget]:
         fingerprints[0],
         max_entry_tokens=settings.max_entry_tokens,
         learn_min_tokens=settings.learn_min_tokens,
+        control_ids=_control_ids(config),
     )
 
     def forget(tenant: Tenant, ids: Sequence[int]) -> None:
@@ -101,6 +102,20 @@ def _detector(config: Any, settings: Any) -> tuple[Detector, Forget]:
             store.delete(cache_key(tenant.fingerprint(fingerprint), list(ids)))
 
     return detector, forget
+
+
+def _control_ids(config: Any) -> frozenset[int]:
+    """The served model's special token ids (``detection.markup_after``); none where
+    its tokenizer cannot be read here."""
+    try:
+        from transformers import AutoTokenizer
+
+        name = config.model_config.tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+        return frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.added_tokens_decoder)
+    except Exception:  # a tokenizer transformers cannot load: the check is off
+        logger.warning("kvrag: the model's control tokens are unknown; markup is not checked")
+        return frozenset()
 
 
 def _log_beside_vllm() -> None:

@@ -18,7 +18,8 @@ ENGINE = Path(kvrag_integrations.__file__).parent / "engine"
 # engine at run time).
 ALLOWED = {
     "scheduling": set(),
-    "prompting": set(),
+    "tools": set(),
+    "prompting": {"tools"},
     "modeling": {"scheduling"},
     "caching": {"scheduling", "prompting", "modeling"},
     "strategies": {"prompting", "modeling", "results"},

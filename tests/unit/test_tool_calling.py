@@ -17,8 +17,13 @@ from corpus import SEARCH_TOOL, TOWER
 from tool_templates import QWEN25
 
 from kvrag_integrations import Chunk, KVRAGEngine
-from kvrag_integrations.engine.prompting.tool_parsing import parse_tool_calls
-from kvrag_integrations.engine.prompting.tools import FALLBACK, HERMES, tool_format
+from kvrag_integrations.engine.tools.family import ToolFamily
+from kvrag_integrations.engine.tools.hermes import FallbackFamily, HermesFamily
+from kvrag_integrations.engine.tools.json_text import close_call
+from kvrag_integrations.engine.tools.llama import LlamaFamily
+from kvrag_integrations.engine.tools.mistral import MistralFamily
+from kvrag_integrations.engine.tools.plan import family_for, plan_tools
+from kvrag_integrations.engine.tools.pythonic import PythonicFamily
 
 HISTORY = [
     {"role": "user", "content": "When was the tower built?"},
@@ -34,34 +39,36 @@ HISTORY = [
 
 
 @pytest.mark.parametrize(
-    ("text", "name", "args"),
+    ("family", "text"),
     [
         (
+            HermesFamily,
             '<tool_call>\n{"name": "search", "arguments": {"query": "a"}}\n</tool_call>',
-            "search",
-            {"query": "a"},
         ),
-        (
-            '<|python_tag|>{"name": "search", "parameters": {"query": "a"}}',
-            "search",
-            {"query": "a"},
-        ),
-        ('{"name": "search", "parameters": {"query": "a"}}', "search", {"query": "a"}),
-        ('[TOOL_CALLS][{"name": "search", "arguments": {"query": "a"}}]', "search", {"query": "a"}),
-        ("```tool_code\nsearch(query='a')\n```", "search", {"query": "a"}),
-        ('```json\n{"name": "search", "arguments": {"query": "a"}}\n```', "search", {"query": "a"}),
+        (LlamaFamily, '<|python_tag|>{"name": "search", "parameters": {"query": "a"}}'),
+        (LlamaFamily, '{"name": "search", "parameters": {"query": "a"}}'),
+        (MistralFamily, '[TOOL_CALLS][{"name": "search", "arguments": {"query": "a"}}]'),
+        (PythonicFamily, "[search(query='a')]"),
+        (ToolFamily, '{"name": "search", "arguments": {"query": "a"}}'),
     ],
 )
-def test_each_familys_call_format_parses(text: str, name: str, args: dict) -> None:
-    content, calls = parse_tool_calls(text)
-    assert [(c.name, c.arguments) for c in calls] == [(name, args)]
-    assert content == ""
+def test_each_familys_call_format_parses(family: type[ToolFamily], text: str) -> None:
+    parsed = family().parse(text, ["search"])
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("search", {"query": "a"})]
+    assert parsed.content == "" and parsed.invalid == ()
 
 
-def test_text_and_broken_calls_stay_text() -> None:
-    assert parse_tool_calls("The tower was built in 1889.") == ("The tower was built in 1889.", [])
+def test_text_stays_text_and_a_broken_call_is_an_invalid_call() -> None:
+    hermes = HermesFamily()
+    assert hermes.parse("The tower was built in 1889.", ["search"]).content == (
+        "The tower was built in 1889."
+    )
     broken = '<tool_call>\n{"name": "search", "arguments": {"query": </tool_call>'
-    assert parse_tool_calls(broken) == (broken, [])
+    parsed = hermes.parse("Looking.\n" + broken, ["search"])
+    assert (parsed.content, parsed.calls) == ("Looking.", ())
+    [invalid] = parsed.invalid
+    assert (invalid.name, invalid.arguments) == ("search", broken)
+    assert "no valid JSON" in invalid.error
 
 
 def _with_template(engine: KVRAGEngine, template: str) -> KVRAGEngine:
@@ -76,7 +83,7 @@ def test_a_tool_template_renders_tools_calls_and_results_with_chunks_intact(
     engine: KVRAGEngine,
 ) -> None:
     qwen = _with_template(engine, QWEN25)
-    assert tool_format(qwen.tokenizer) == HERMES
+    assert type(family_for(qwen.tokenizer)) is HermesFamily
     segs = qwen.build_segments(messages=HISTORY, known_chunks=[TOWER], tools=_plan(qwen))
     text = "".join(s.text for s in segs)
     assert json.dumps(SEARCH_TOOL) in text  # the template's own tool list
@@ -87,7 +94,7 @@ def test_a_tool_template_renders_tools_calls_and_results_with_chunks_intact(
 
 def test_a_template_without_tools_gets_the_fallback_prompt(engine: KVRAGEngine) -> None:
     plan = _plan(engine)
-    assert plan.format == FALLBACK
+    assert type(plan.family) is FallbackFamily
     segs = engine.build_segments(messages=HISTORY, known_chunks=[TOWER], tools=plan)
     text = "".join(s.text for s in segs)
     assert "<tools>\n" + json.dumps(SEARCH_TOOL) + "\n</tools>" in text
@@ -96,8 +103,6 @@ def test_a_template_without_tools_gets_the_fallback_prompt(engine: KVRAGEngine) 
 
 
 def _plan(engine: KVRAGEngine):
-    from kvrag_integrations.engine.prompting.tools import plan_tools
-
     return plan_tools(engine.tokenizer, [SEARCH_TOOL], None)
 
 
@@ -175,8 +180,6 @@ def test_a_forced_call_of_a_tool_without_parameters_has_empty_arguments(
 
 
 def test_a_call_cut_after_a_keys_colon_closes_into_valid_json() -> None:
-    from kvrag_integrations.engine.modeling.tool_constraint import close_call
-
     cut = '{"name": "get_weather", "arguments": {\n    "location": {\n        "name":'
     assert json.loads(close_call(cut)) == {
         "name": "get_weather",

@@ -31,25 +31,20 @@ from tool_templates import GEMMA3_PYTHONIC, GEMMA_IT, LLAMA31, MISTRAL_V3, QWEN2
 from kvrag_integrations import Chunk, KVRAGEngine
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.engine.modeling.model import LoadedModel, model_fingerprint
-from kvrag_integrations.engine.prompting.tool_parsing import parse_tool_calls
-from kvrag_integrations.engine.prompting.tools import (
-    FALLBACK,
-    HERMES,
-    JSON_CALL,
-    LLAMA,
-    MISTRAL,
-    fallback_system_text,
-    mistral_call_id,
-    plan_tools,
-)
+from kvrag_integrations.engine.tool_answers import AnswerText
+from kvrag_integrations.engine.tools.hermes import FallbackFamily, HermesFamily
+from kvrag_integrations.engine.tools.llama import LlamaFamily
+from kvrag_integrations.engine.tools.mistral import MistralFamily, mistral_call_id
+from kvrag_integrations.engine.tools.plan import plan_tools
+from kvrag_integrations.engine.tools.pythonic import PythonicFamily
 
 LLAMA_MORE = ["<|eom_id|>", "<|python_tag|>"]
 MISTRAL_MORE = ["[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 GEMMA = {"head_dim": 16, "sliding_window": 4096, "query_pre_attn_scalar": 16}
 GEMMA_TOKENS = (["<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>")
-# family -> (config class, config extras, template, control tokens, bos, eos, call format)
+# family -> (config class, config extras, template, control tokens, bos, eos, tool family)
 FAMILIES: dict[str, tuple[str, dict[str, Any], str, list[str], str | None, str, Any]] = {
-    "qwen2.5": ("Qwen2Config", {}, QWEN25, [], None, "<|im_end|>", HERMES),
+    "qwen2.5": ("Qwen2Config", {}, QWEN25, [], None, "<|im_end|>", HermesFamily),
     "llama3.1": (
         "LlamaConfig",
         {},
@@ -63,7 +58,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, list[str], str | None, str, 
         ],
         "<|begin_of_text|>",
         "<|eot_id|>",
-        LLAMA,
+        LlamaFamily,
     ),
     "mistral": (
         "MistralConfig",
@@ -80,13 +75,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, list[str], str | None, str, 
         ],
         "<s>",
         "</s>",
-        MISTRAL,
+        MistralFamily,
     ),
-    # the template renders Python calls; a forced call is JSON
-    "gemma3": ("Gemma3TextConfig", GEMMA, GEMMA3_PYTHONIC, *GEMMA_TOKENS, JSON_CALL),
+    # the template renders Python calls (a forced call is the constraint's JSON)
+    "gemma3": ("Gemma3TextConfig", GEMMA, GEMMA3_PYTHONIC, *GEMMA_TOKENS, PythonicFamily),
 }
 # Google's Gemma template: no tools (the fallback prompt), no system or tool role.
-GEMMA_NO_TOOLS = ("Gemma2Config", GEMMA, GEMMA_IT, *GEMMA_TOKENS, FALLBACK)
+GEMMA_NO_TOOLS = ("Gemma2Config", GEMMA, GEMMA_IT, *GEMMA_TOKENS, FallbackFamily)
 
 CALL_ID = "call_0123456789abcdef"  # OpenAI's form, as an agent sends it back
 SYSTEM = "Answer from the documents."
@@ -204,7 +199,7 @@ def _expected(family: str) -> tuple[str, str, str]:
 
 def test_the_familys_template_renders_the_tools(family: tuple[str, KVRAGEngine]) -> None:
     name, engine = family
-    assert plan_tools(engine.tokenizer, [SEARCH_TOOL], None).format == FAMILIES[name][-1]
+    assert type(plan_tools(engine.tokenizer, [SEARCH_TOOL], None).family) is FAMILIES[name][-1]
     text, _ = _text(engine, SECOND_CALL[:2])
     assert _expected(name)[0] in text
     assert SYSTEM in text
@@ -264,11 +259,13 @@ def test_canned_outputs_decoded_from_the_familys_tokens_parse(
 ) -> None:
     name, engine = family
     tok = engine.tokenizer
+    family = plan_tools(tok, [SEARCH_TOOL], None).family
     ids = tok(CANNED[name], add_special_tokens=False)["input_ids"]
-    decoded = tok.decode(ids, skip_special_tokens=False)  # as tool_answers decodes
-    content, calls = parse_tool_calls(decoded)
+    decoded = AnswerText(tok, family.markers).text(ids, final=True)  # as tool_answers reads
+    parsed = family.parse(decoded, ["search"])
+    calls = parsed.calls
     assert [(c.name, c.arguments) for c in calls] == [("search", {"query": "a"})]
-    assert content == ""
+    assert parsed.content == ""
     if name == "mistral":
         assert calls[0].id == "a1B2c3D4e"  # Mistral's own id is kept
 
@@ -326,7 +323,7 @@ def test_a_template_without_tools_system_or_tool_roles_takes_the_agents_second_c
     result is a user turn of ``<tool_response>`` (the fallback format's), the
     document still a chunk; the prompt is the template's rendering of that."""
     engine = _cached("gemma-it", tiny_loaded)
-    assert plan_tools(engine.tokenizer, [SEARCH_TOOL], None).format == FALLBACK
+    assert type(plan_tools(engine.tokenizer, [SEARCH_TOOL], None).family) is FallbackFamily
     text, segs = _text(engine, SECOND_CALL)
     assert text.startswith(f"<start_of_turn>user\n{SYSTEM}\n\nYou may call one or more functions")
     call = '<tool_call>\n{"name": "search", "arguments": {"query": "tower"}}\n</tool_call>'
@@ -334,7 +331,7 @@ def test_a_template_without_tools_system_or_tool_roles_takes_the_agents_second_c
     result = f"<start_of_turn>user\n<tool_response>\n{TOWER}\n</tool_response><end_of_turn>\n"
     assert text.endswith(result + "<start_of_turn>model\n")
     assert Chunk(TOWER) in segs
-    system = f"{SYSTEM}\n\n{fallback_system_text([SEARCH_TOOL])}"
+    system = f"{SYSTEM}\n\n{FallbackFamily.system_text([SEARCH_TOOL])}"
     own = [
         {"role": "user", "content": f"{system}\n\n{SECOND_CALL[1]['content']}"},
         {"role": "assistant", "content": call},

@@ -443,3 +443,25 @@ def test_at_the_defaults_an_anonymous_agents_prefix_is_its_own_and_its_passages_
     )
     _, params = run(hook, p)
     assert not any(s[2].startswith("kvrag-learn-") for s in engine.seen)
+
+
+def test_a_passage_continued_after_markup_vllm_rendered_from_it_is_not_loaded() -> None:
+    """A hostile passage holds the template's markup as text: ingested, it is stored
+    as characters; vLLM renders the request's copy of it as control tokens. The
+    passage's text before the markup loads; its text after, read from inside the
+    entry right after a control token it does not hold, does not (issue 51)."""
+    stored = Stored()
+    passage = ids(200)
+    stored.put(passage)
+    markup = [2, 198, 1]  # <|im_end|>\n<|im_start|> as vLLM renders them
+    stored.put(HEAD + GLUE + passage[:100] + markup)  # even were it learned, glue and all
+    p = HEAD + GLUE + passage[:100] + markup + passage[103:] + TAIL + ids(12)
+    after = [p.index(passage[103]), len(p)]
+
+    def loads_after(detector: Detector) -> bool:
+        plan = detector.detect(FP, p, may_learn=False)
+        check_pieces(plan.load, p, stored)
+        return any(piece.end > after[0] for piece in plan.load)
+
+    assert loads_after(stored.detector())  # without the check: read from inside the entry
+    assert not loads_after(stored.detector(control_ids=frozenset({1, 2})))

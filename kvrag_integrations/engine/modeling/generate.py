@@ -207,7 +207,7 @@ def decode(
     decoded text shows it (a tokenizer whose decoding rewrites text); the text
     is cut where it starts. ``cancel`` set stops decoding before the next
     forward (``finish_reason == "cancelled"``). ``constraint`` (a
-    ``tool_constraint.ForcedCall``) masks each step's logits and ends decoding
+    ``tools.constraint.ForcedCall``) masks each step's logits and ends decoding
     (``"stop"``) once the text it checks is complete. ``static`` (the weights'
     ``StaticDecoder``) runs each step over a static cache, as a CUDA graph on
     CUDA, where it takes the model and request; else steps run eagerly.
@@ -224,6 +224,7 @@ def decode(
     position = kv.next_position
     logits = first_logits
     ids = detok.ids
+    result.token_ids = ids  # live while decoding: a request with tools reads them (tool_answers)
     text, emitted = "", 0
     result.finish_reason = "length"
     for step in range(params.max_new_tokens):

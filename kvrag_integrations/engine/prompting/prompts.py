@@ -24,14 +24,9 @@ from kvrag_integrations.engine.prompting.segments import (
     rag_user_segments,
 )
 from kvrag_integrations.engine.prompting.spans import ChunkIndex, message_segments
-from kvrag_integrations.engine.prompting.tools import (
-    ToolPlan,
-    call_text,
-    fallback_system_text,
-    template_ids,
-    template_tool_calls,
-    tool_format,
-)
+from kvrag_integrations.engine.tools.calls import template_tool_calls
+from kvrag_integrations.engine.tools.hermes import FallbackFamily
+from kvrag_integrations.engine.tools.plan import ToolPlan, family_for
 
 logger = logging.getLogger("kvrag_integrations.engine.engine")
 
@@ -60,7 +55,7 @@ def build_segments(
     (``EngineFrontend.build_segments`` calls it with the engine's own).
 
     ``tools``: rendered by the template (``tools=``) where it takes them, else
-    as ``FALLBACK_TOOL_PROMPT`` in the system message (``tool_calls`` of
+    as the fallback tool prompt in the system message (``tool_calls`` of
     earlier assistant messages then written as the model writes calls).
 
     Exactly one of:
@@ -85,12 +80,12 @@ def build_segments(
         chat.append(("system", [Text(check_text(system_prompt, "system_prompt"))]))
         extras.append({})
     if messages is not None:
-        fmt = tools.format if tools is not None else tool_format(tokenizer)
+        family = tools.family if tools is not None else family_for(tokenizer)
         for m in messages:
             message, extra = _message(m, chunk_index, known_chunks)
-            extra = template_ids(fmt, extra)
-            if "tool_calls" in extra and not (chat_template and fmt.native):
-                calls = call_text(fmt, extra.pop("tool_calls"))
+            extra = family.template_ids(extra)
+            if "tool_calls" in extra and not (chat_template and family.native):
+                calls = family.call_text(extra.pop("tool_calls"))
                 content = list(message[1])
                 message = (message[0], [*content, Text(("\n" if content else "") + calls)])
             chat.append(message)
@@ -102,15 +97,15 @@ def build_segments(
         chat.append(("user", list(segments)))
     else:
         chat.append(("user", rag_user_segments(question, list(chunks or []), instruction)))
-    if tools is not None and not tools.format.native:  # the template has no tools
-        chat, extras = _with_tool_prompt(chat, extras, fallback_system_text(tools.tools))
+    if tools is not None and not tools.family.native:  # the template has no tools
+        chat, extras = _with_tool_prompt(chat, extras, FallbackFamily.system_text(tools.tools))
     while len(extras) < len(chat):
         extras.append({})
     if chat_template and not getattr(tokenizer, "chat_template", None):
         logger.info("tokenizer has no chat template; using the plain prompt")
         chat_template = False
     if chat_template:
-        native = tools.tools if tools is not None and tools.format.native else None
+        native = tools.tools if tools is not None and tools.family.native else None
         try:
             return render_chat(tokenizer, chat, native, extras)
         except (ValueError, TypeError):
@@ -173,7 +168,7 @@ def _user_turn_roles(chat: list[Message]) -> list[Message] | None:
     refused it (Gemma's: no system role, only alternating user and model turns).
 
     The system text leads the first user turn, and tool results become user
-    turns of ``<tool_response>`` blocks as the fallback prompt's format
+    turns of tool-response blocks as the fallback prompt's format
     (Qwen2.5's) writes them; adjacent user turns are merged. None: ``chat``
     has no system or tool message, so there is nothing to change.
     """
@@ -181,13 +176,14 @@ def _user_turn_roles(chat: list[Message]) -> list[Message] | None:
         return None
     system: list[Segment] = []
     out: list[tuple[str, list[Segment]]] = []
+    result_open, result_close = FallbackFamily.result_wrapping()
     for role, content in chat:
         if role == "system":
             system += [*(Text("\n\n") for _ in system[:1]), *content]
             continue
         if role == "tool":
             role = "user"
-            content = [Text("<tool_response>\n"), *content, Text("\n</tool_response>")]
+            content = [Text(result_open), *content, Text(result_close)]
         if role == "user" and out and out[-1][0] == "user":
             out[-1][1].extend([Text("\n"), *content])
         else:

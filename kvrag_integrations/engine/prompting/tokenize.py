@@ -5,16 +5,22 @@ run of text between chunks (tokenized alone, without special tokens added):
 re-tokenizing the joined string could merge tokens across a boundary, and then
 no cached chunk would line up.
 
-Text is literal: a special-token string inside a chunk, a question or a message
-(``<|im_end|>`` say) is tokenized as the characters it is made of, never as the
-control token, so a retrieved document cannot open a system turn. Only markup
-(``Text(..., markup=True)``: what the chat template itself writes) has its
-special-token strings turned into control tokens.
+Text is literal: a structural token's string inside a chunk, a question, a
+tool result or a message (``<|im_end|>`` say) is tokenized as the characters it
+is made of, never as the control token, so a retrieved document cannot open a
+system turn or forge a tool call. Structural tokens (``structural_tokens``) are
+the special ones and the added tokens that the chat template or the tool markup
+writes, special or not (Qwen2.5's tool-call tag is added with
+``special: false``), and any tool family's markup (``tools.plan.TOOL_MARKUP``:
+the fallback prompt may ask a model for markup its template never writes).
+Only markup (``Text(..., markup=True)``: what the chat template itself writes)
+has their strings turned into control tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,6 +37,7 @@ from kvrag_integrations.engine.prompting.segments import (
     check_text,
     validate_chunk_text,
 )
+from kvrag_integrations.engine.tools.plan import TOOL_MARKUP
 
 _NO_IDS = torch.zeros(0, dtype=torch.long)  # a text piece's until its ids are made
 
@@ -39,33 +46,69 @@ _NO_IDS = torch.zeros(0, dtype=torch.long)  # a text piece's until its ids are m
 # tokenizer. transformers' ``split_special_tokens`` flips a flag on the shared
 # backend for each call, which races between threads; copies with the flag
 # fixed never change, so a literal text is literal whatever other threads do.
-_BACKENDS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_BACKENDS: weakref.WeakKeyDictionary[Any, tuple[str, Any, Any]] = weakref.WeakKeyDictionary()
+
 _BACKENDS_LOCK = threading.Lock()
 _SLOW_LOCK = threading.Lock()  # tokenizers without a Rust backend: one call at a time
+
+
+def _template_text(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return "\n".join(t for t in template.values() if isinstance(t, str))
+    return template if isinstance(template, str) else ""
+
+
+def structural_tokens(tokenizer: Any) -> set[str]:
+    """The added-token strings that are structure, kept out of literal text: the
+    special tokens, and added tokens the chat template or tool markup writes."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    template = _template_text(tokenizer)
+    out = set()
+    for token in decoder.values():
+        content = getattr(token, "content", str(token))
+        if content and (
+            getattr(token, "special", True) or content in template or content in TOOL_MARKUP
+        ):
+            out.add(content)
+    return out
 
 
 def _backends(tokenizer: Any) -> tuple[Any, Any] | None:
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "to_str"):
         return None
+    template = _template_text(tokenizer)
     with _BACKENDS_LOCK:
         try:
-            pair = _BACKENDS.get(tokenizer)
+            cached = _BACKENDS.get(tokenizer)
         except TypeError:  # not weak-referenceable: build the copies each time
-            pair = None
-        if pair is None:
+            cached = None
+        if cached is None or cached[0] != template:  # a new template: new structure
             from tokenizers import Tokenizer
 
-            markup, literal = (Tokenizer.from_str(backend.to_str()) for _ in range(2))
+            spec = backend.to_str()
+            markup = Tokenizer.from_str(spec)
+            literal = Tokenizer.from_str(_as_special(spec, structural_tokens(tokenizer)))
             for copy in (markup, literal):  # a copy keeps truncation set by past calls
                 copy.no_truncation()
                 copy.no_padding()
             markup.encode_special_tokens = False
-            literal.encode_special_tokens = True
-            pair = (markup, literal)
+            literal.encode_special_tokens = True  # no special token from literal text
+            cached = (template, markup, literal)
             with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
-                _BACKENDS[tokenizer] = pair
-    return pair
+                _BACKENDS[tokenizer] = cached
+    return cached[1], cached[2]
+
+
+def _as_special(spec: str, structural: set[str]) -> str:
+    """A tokenizer's JSON with its structural added tokens marked special, so the
+    literal copy (``encode_special_tokens``) writes them as their characters."""
+    data = json.loads(spec)
+    for token in data.get("added_tokens", []):
+        if token.get("content") in structural:
+            token["special"] = True
+    return json.dumps(data)
 
 
 def control_token_strings(tokenizer: Any) -> list[str]:
@@ -81,7 +124,7 @@ def _encode(tokenizer: Any, text: str, literal: bool) -> list[int]:
     pair = _backends(tokenizer)
     if pair is not None:
         return list(pair[literal].encode(text, add_special_tokens=False).ids)
-    if literal and any(c in text for c in control_token_strings(tokenizer)):
+    if literal and any(c in text for c in structural_tokens(tokenizer)):
         with _SLOW_LOCK:
             out = tokenizer(text, add_special_tokens=False, split_special_tokens=True)
         return list(out["input_ids"])

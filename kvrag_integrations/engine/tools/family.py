@@ -1,0 +1,354 @@
+"""One class per tool-calling format: ``ToolFamily``, and picking one from a template.
+
+As transformers' ``cache_utils`` has one class per kind of layer, each format
+a model writes calls in is one ``ToolFamily`` subclass, in one module with its
+markup: ``hermes`` (Qwen2.5/Qwen3, Hermes, and the fallback prompt for
+templates without tools), ``llama`` (Llama 3.1+ JSON, ``<|python_tag|>``),
+``mistral`` (``[TOOL_CALLS]``) and ``pythonic`` (Gemma 3 / vLLM's pythonic
+list). A family owns:
+
+- its markers (text that opens calls anywhere in an answer) and, for formats
+  whose calls are the whole answer (a bare JSON object, a Python list), the
+  leading form (``_leading``: calls, "maybe" while a prefix, or no call);
+- its parser (``parse``): calls to bound tools, the text besides them, and
+  ``InvalidToolCall``s where its markup opens something that is no valid call;
+  it never raises, whatever the model wrote;
+- its streaming detector (``content_end``): how much of a partial answer is
+  text whatever follows (streamed at once), so streamed text is always a
+  prefix of ``parse``'s content;
+- its call-id rule and the ids its template takes (``template_call_id``);
+- its forced call: the markup a forced call opens with and the JSON call
+  object the constraint (``constraint.ForcedCall``) keeps valid.
+
+``family_for`` picks the class once per request from the tokenizer's chat
+template; nothing is guessed from the answer. Adding a format is adding a
+subclass to ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar
+
+from kvrag_integrations.engine.tools.calls import (
+    InvalidToolCall,
+    Parsed,
+    ToolCall,
+    call_arguments,
+    hashed_id,
+)
+from kvrag_integrations.engine.tools.json_text import (
+    FAILED,
+    close_call,
+    decode_json,
+    json_object_end,
+    load_json,
+)
+
+_HEX = "0123456789abcdef"
+MAYBE = "maybe"  # a leading form that may still become calls
+
+
+class ToolFamily:
+    """A tool-call format (this base: bare JSON call objects, the whole answer).
+
+    Attributes:
+        name: the family's name (logs, tests).
+        native: the chat template renders tools itself (else the fallback prompt).
+        args_key: the arguments' key in the call object the model writes.
+        markers: text that opens calls anywhere in an answer.
+        opening: what a forced call starts with (the prompt ends with it).
+        closing: what closes a call the family writes as text.
+        arg_keys: keys a call object may hold besides ``name``.
+        markup: every string of this format's markup (markers, result and tool
+            list wrappers): an added token with one of them is structural, never
+            produced by literal text (``prompting.tokenize.structural_tokens``).
+    """
+
+    name: ClassVar[str] = "json"
+    native: ClassVar[bool] = True
+    args_key: ClassVar[str] = "arguments"
+    markers: ClassVar[tuple[str, ...]] = ()
+    opening: ClassVar[str] = ""
+    closing: ClassVar[str] = ""
+    arg_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+    markup: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def matches(cls, template: str) -> bool:
+        """Whether a chat template (one with ``tools``) writes calls in this format."""
+        return True
+
+    # ------------------------------------------------------------- parsing
+    def parse(self, text: str, names: Collection[str], seed: bytes = b"") -> Parsed:
+        """``text`` read as this family writes calls; never raises.
+
+        A leading form (``_leading``) that is calls makes the whole answer calls;
+        else the first marker splits the text before it (the content, trailing
+        whitespace dropped) from the calls after it (``_marked``); text with
+        neither is all content. ``seed`` draws the calls' ids.
+        """
+        lead = self._leading(text, names)
+        if isinstance(lead, tuple):
+            calls, invalid = lead
+            return self._ided("", calls, invalid, seed)
+        at, marker = self._first_marker(text)
+        if marker is None:
+            return Parsed(text)
+        calls, invalid = self._marked(text[at:], marker, names)
+        return self._ided(text[:at].rstrip(), calls, invalid, seed)
+
+    def content_end(self, text: str, names: Collection[str]) -> int:
+        """How much of the partial answer ``text`` is content whatever follows:
+        nothing while a leading form may still be calls; else up to the first
+        marker, or the end less what may begin a marker; trailing whitespace
+        held (dropped before a call)."""
+        if self._leading(text, names) is not None:
+            return 0
+        at, marker = self._first_marker(text)
+        if marker is None:
+            at = len(text) - _partial_marker(text, self.markers)
+        return len(text[:at].rstrip())
+
+    def _leading(
+        self, text: str, names: Collection[str]
+    ) -> tuple[list[dict[str, Any]], list[tuple[str | None, str, str]]] | str | None:
+        """The whole answer as this family's bare calls: ``(calls, invalid)`` where
+        it is that; ``MAYBE`` while a prefix of it; None where it cannot be.
+        This base: JSON call objects naming bound tools, ``;``-separated."""
+        return bare_json_calls(text, names, self.arg_keys)
+
+    def _marked(
+        self, text: str, marker: str, names: Collection[str]
+    ) -> tuple[list[dict[str, Any]], list[tuple[str | None, str, str]]]:
+        """Calls from ``text`` (which starts with ``marker``); this base has none."""
+        return [], [(None, text, f"{self.name} calls have no marker {marker!r}")]
+
+    def _first_marker(self, text: str) -> tuple[int, str | None]:
+        hits = [(text.find(m), m) for m in self.markers if m in text]
+        return min(hits) if hits else (len(text), None)
+
+    def _ided(
+        self,
+        content: str,
+        calls: Sequence[Mapping[str, Any]],
+        invalid: Sequence[tuple[str | None, str, str]],
+        seed: bytes,
+    ) -> Parsed:
+        out = []
+        for i, call in enumerate(calls):
+            own = call.get("id")
+            call_id = own if self.valid_own_id(own) else self.call_id(seed, i)
+            out.append(ToolCall(call["name"], call["arguments"], call_id))
+        bad = tuple(
+            InvalidToolCall(name, raw, self.call_id(seed, len(calls) + i), error)
+            for i, (name, raw, error) in enumerate(invalid)
+        )
+        return Parsed(content, tuple(out), bad)
+
+    # ------------------------------------------------------------- ids
+    def call_id(self, seed: bytes, index: int) -> str:
+        """A call's id where the model wrote none: ``call_`` and 24 hex digits drawn
+        from the request and answer (``seed``), so a streamed answer's ids equal
+        its invoked twin's."""
+        return "call_" + hashed_id(seed, index, _HEX, 24)
+
+    def valid_own_id(self, call_id: Any) -> bool:
+        """Whether an id the model wrote in a call is kept (this base: none is)."""
+        return False
+
+    def template_call_id(self, call_id: str) -> str:
+        """A call id in the form this family's template takes (this base: as given)."""
+        return call_id
+
+    def template_ids(self, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """A message's ``tool_calls`` ids and ``tool_call_id`` as the template takes them."""
+        out = dict(extra)
+        if isinstance(out.get("tool_call_id"), str):
+            out["tool_call_id"] = self.template_call_id(out["tool_call_id"])
+        if "tool_calls" in out:
+            out["tool_calls"] = [
+                {**c, "id": self.template_call_id(c["id"])} if isinstance(c.get("id"), str) else c
+                for c in out["tool_calls"]
+            ]
+        return out
+
+    # ------------------------------------------------------------- writing
+    def call_text(self, calls: Sequence[Mapping[str, Any]]) -> str:
+        """Earlier calls written as this family writes them (templates that render
+        no ``tool_calls``: the calls become the message's text)."""
+        parts = []
+        for call in calls:
+            function = call.get("function", call)
+            args = call_arguments(function.get("arguments"))
+            body = json.dumps({"name": function.get("name"), self.args_key: args})
+            parts.append(f"{self.opening}{body}{self.closing}")
+        return "\n".join(parts)
+
+    # ------------------------------------------------------------- forced calls
+    def forced_start(
+        self, forced: Sequence[str], schemas: Mapping[str, Any]
+    ) -> tuple[str, list[str], str]:
+        """A forced call's JSON start written into the prompt after ``opening``, what
+        may follow it before the arguments, and the arguments' start it wrote
+        (``constraint.ForcedCall`` checks the rest).
+
+        One tool: ``{"name": "<tool>", "<args key>": `` and, where its schema
+        requires properties, ``{"<first>": `` (and ``"`` if it is a string: a
+        small model then fills in a value rather than copying the schema);
+        several: ``{"name": "`` and each ``<tool>", "<args key>": ``.
+
+        Examples:
+            >>> schema = {"properties": {"q": {"type": "string"}}, "required": ["q"]}
+            >>> ToolFamily().forced_start(["search"], {"search": schema})
+            ('{"name": "search", "arguments": {"q": "', [''], '{"q": "')
+        """
+        key = self.args_key
+        heads = [f'{json.dumps(name)[1:-1]}", "{key}": ' for name in forced]
+        if len(heads) > 1:
+            return '{"name": "', heads, ""
+        schema = schemas.get(forced[0]) or {}
+        required = schema.get("required") if isinstance(schema, Mapping) else None
+        args = ""
+        if isinstance(required, list) and required and isinstance(required[0], str):
+            args = "{" + json.dumps(required[0]) + ": "
+            prop = (schema.get("properties") or {}).get(required[0])
+            if isinstance(prop, Mapping) and prop.get("type") == "string":
+                args += '"'  # a string value: its quote written, the model writes the text
+        return '{"name": "' + heads[0] + args, [""], args
+
+    def forced_call(self, written: str, forced: Collection[str], seed: bytes) -> Parsed | None:
+        """The call a forced decode wrote (``written``: the JSON call object from its
+        start, maybe cut short by ``max_new_tokens``, then closed); None when it
+        cannot be closed into one."""
+        value = load_json(close_call(written))
+        call = _call_object(value, forced, (self.args_key,), strict=True)
+        return None if call is None else self._ided("", [call], [], seed)
+
+
+def _partial_marker(text: str, markers: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins a marker."""
+    for k in range(min(len(text), max((len(m) - 1 for m in markers), default=0)), 0, -1):
+        if any(m.startswith(text[-k:]) for m in markers):
+            return k
+    return 0
+
+
+def _call_object(
+    value: Any, names: Collection[str], arg_keys: Sequence[str], strict: bool
+) -> dict[str, Any] | None:
+    """``value`` as a call ``{"name", "arguments"[, "id"]}`` to one of ``names``, or
+    None. ``strict``: no keys but ``name``, ``arg_keys`` and ``id`` (a bare
+    object, which might be a JSON answer)."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    if strict and set(value) - {"name", "id", *arg_keys}:
+        return None
+    key = next((k for k in arg_keys if k in value), None)
+    args = {} if key is None else call_arguments(value[key])
+    if not isinstance(args, dict):
+        return None
+    return {"name": value["name"], "arguments": args, "id": value.get("id")}
+
+
+def read_call_objects(
+    body: str, names: Collection[str], arg_keys: Sequence[str], raw: str, what: str
+) -> tuple[list[dict[str, Any]], list[tuple[str | None, str, str]]]:
+    """A marked body: JSON call objects (or lists of them), ``;`` or whitespace
+    between; all calls, or one invalid call carrying ``raw`` (``what``: the
+    family's markup, named in the error)."""
+    calls: list[dict[str, Any]] = []
+    rest = body.strip()
+    while rest:
+        found = decode_json(rest)
+        if found is None:
+            return [], [(_name_in(rest), raw, f"{what} holds no valid JSON call object")]
+        value, end = found
+        for item in value if isinstance(value, list) else [value]:
+            call = _call_object(item, names, arg_keys, strict=False)
+            if call is None:
+                return [], [(_name_of(item), raw, _why_not(item, names, what))]
+            calls.append(call)
+        rest = rest[end:].lstrip().lstrip(";").lstrip()
+    if not calls:
+        return [], [(None, raw, f"{what} holds no call")]
+    return calls, []
+
+
+def _name_of(item: Any) -> str | None:
+    name = item.get("name") if isinstance(item, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _name_in(text: str) -> str | None:
+    """The call's name where a malformed object shows one (``"name": "x"``)."""
+    match = re.search(r'"name"\s*:\s*"([A-Za-z0-9_.:-]{1,128})"', text[:4096])
+    return match.group(1) if match else None
+
+
+def _why_not(item: Any, names: Collection[str], what: str) -> str:
+    name = _name_of(item)
+    if name is None:
+        return f"{what} holds a value that is no call object with a name"
+    if name not in names:
+        return f"{what} calls {name!r}, which is not among the bound tools {sorted(names)}"
+    return f"{what} calls {name!r} with arguments that are no JSON object"
+
+
+def bare_json_calls(
+    text: str, names: Collection[str], arg_keys: Sequence[str]
+) -> tuple[list[dict[str, Any]], list[Any]] | str | None:
+    """The whole of ``text`` as bare JSON call objects (``;``-separated) naming bound
+    tools with no other keys: ``(calls, [])``; ``MAYBE`` while a prefix of that;
+    None where it cannot be (then it is text: ``{"name": "Alice", "age": 30}``)."""
+    rest = text.lstrip()
+    if not rest.startswith("{"):
+        return MAYBE if not rest else None
+    calls: list[dict[str, Any]] = []
+    keys = ("name", "id", *arg_keys)
+    while True:
+        end = json_object_end(rest, keys=keys)
+        if end is None:
+            return MAYBE if _name_may_be(rest, names) else None
+        if end == -1:
+            return None
+        call = _call_object(load_json(rest[:end]), names, arg_keys, strict=True)
+        if call is None or not _name_may_be(rest[:end], names):
+            return None
+        calls.append(call)
+        rest = rest[end:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+            if not rest:
+                return MAYBE
+            if not rest.startswith("{"):
+                return None
+        elif rest:
+            return None
+        else:
+            return calls, []
+
+
+# A top-level object's pairs before its "name" key whose values are strings or
+# scalars, then the "name" key and its string value as far as written.
+_FIRST_NAME = re.compile(
+    r'\{\s*(?:"(?!name")(?:[^"\\]|\\.)*"\s*:\s*(?:"(?:[^"\\]|\\.)*"|[^,{}\[\]"]*)\s*,\s*)*'
+    r'"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)'
+)
+
+
+def _name_may_be(prefix: str, names: Collection[str]) -> bool:
+    """Whether a call object's first top-level ``"name"`` value, as far as written,
+    may still be a bound tool's (True where it cannot be read yet). The whole
+    object is judged by the same reading, so a name that releases a prefix as
+    text (``{"name": "Alice"``) also makes the finished object text."""
+    match = _FIRST_NAME.match(prefix)
+    if match is None:
+        return True
+    written, closed = match.group(1), match.group(2)
+    if closed:
+        decoded = load_json(f'"{written}"')
+        return decoded is not FAILED and decoded in names
+    return any(json.dumps(n)[1:-1].startswith(written) for n in names)

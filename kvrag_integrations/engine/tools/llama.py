@@ -1,0 +1,37 @@
+"""Llama 3.1+ calls: a bare ``{"name": .., "parameters": ..}`` answer, or ``<|python_tag|>``.
+
+As vLLM's ``llama3_json`` parser reads them: Llama 3.1's template asks for a
+JSON object ``{"name": function name, "parameters": {..}}`` as the whole
+answer (several separated by ``;``); the model may also open its calls with the
+``<|python_tag|>`` token. A bare object that names no bound tool, or holds keys
+a call has not, is text (a user who asked for JSON gets it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, ClassVar
+
+from kvrag_integrations.engine.tools.family import ToolFamily, read_call_objects
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class LlamaFamily(ToolFamily):
+    """Llama 3.1+ JSON calls (``parameters``), bare or after ``<|python_tag|>``."""
+
+    name: ClassVar[str] = "llama"
+    args_key: ClassVar[str] = "parameters"
+    markers: ClassVar[tuple[str, ...]] = (PYTHON_TAG,)
+    arg_keys: ClassVar[tuple[str, ...]] = ("parameters", "arguments")
+    markup: ClassVar[tuple[str, ...]] = (PYTHON_TAG, "<|eom_id|>")
+
+    @classmethod
+    def matches(cls, template: str) -> bool:
+        return PYTHON_TAG in template or "ipython" in template
+
+    def _marked(
+        self, text: str, marker: str, names: Collection[str]
+    ) -> tuple[list[dict[str, Any]], list[tuple[str | None, str, str]]]:
+        body = text[len(marker) :]
+        return read_call_objects(body, names, self.arg_keys, text, PYTHON_TAG)
