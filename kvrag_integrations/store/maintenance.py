@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrag_integrations.store.base import EntryInfo, KVStore
-from kvrag_integrations.store.quotas import Quotas, select_for_budget
+from kvrag_integrations.store.quotas import UNREADABLE, Quotas, select_for_budget
 
 logger = logging.getLogger(__name__)
 
@@ -187,24 +187,27 @@ class StoreBudget:
     """Keeps a store within ``max_bytes`` as entries are written to it, and each
     group of namespaces within its quota (``store.quotas``).
 
-    Before a write that would take its namespace's group past its quota, or the
-    store past its budget, entries are evicted (``quotas.select_for_budget``:
-    the group's own least recently used ones, then those of whichever group
-    holds the most) until the store holds at most ``low_water`` of the budget
-    with the new entry. ``EntryInfo.updated_at`` orders use (``touch`` marks
-    one). The store's size counts its entries, live writers' temp files and the
-    content index's log (``index_log``), which is compacted after each eviction
-    (the records of evicted entries go). The sizes are measured then and counted
-    forward from each write in between, so a write costs no listing until a
-    bound is near. Writers in other processes are seen at the next measurement:
-    the budget holds per writer, and across writers up to what they write in
-    between.
+    Before a write that would take its group past its quota, its pool past the
+    pool's, or the store past its budget, entries are evicted as
+    ``quotas.select_for_budget`` chooses: the writer's group's own least
+    recently used ones first, then only those of groups over their quota. A
+    write that cannot fit without evicting a group within its quota is refused
+    (``admit`` is False: the entry is not stored). ``EntryInfo.updated_at``
+    orders use (``touch`` marks one). The store's size counts its entries, live
+    writers' temp files and the content index's log (``index_log``), which is
+    compacted after each eviction (the records of evicted entries go). The
+    sizes are measured then and counted forward from each write in between, so
+    a write costs no listing until a bound is near; while the last measurement
+    (under ``REMEASURE_S`` old) shows that a write cannot fit even with every
+    entry it may evict gone, it is refused without a listing. Writers in other
+    processes are seen at the next measurement: the budget holds per writer,
+    and across writers up to what they write in between.
 
     Args:
         store: the store to keep in bounds.
         max_bytes: its budget (``budget.store_budget`` sizes one from the store).
         low_water: the share of a bound an eviction frees down to.
-        quotas: the namespaces' quotas (default: none but the budget; a server's
+        quotas: the groups' quotas (default: none but the budget; a server's
             connector gives each group a share).
         index_log: the content index's log beside the store (``matching``), or None.
 
@@ -213,6 +216,8 @@ class StoreBudget:
         >>> StoreBudget(MemoryKVStore(), max_bytes=100).admit(200)
         False
     """
+
+    REMEASURE_S = 5.0
 
     def __init__(
         self,
@@ -228,35 +233,84 @@ class StoreBudget:
         self.store = store
         self.max_bytes = max_bytes
         self.low_water = low_water
-        self.quotas = quotas if quotas is not None else Quotas(share=1.0)
+        self.quotas = quotas if quotas is not None else Quotas.budget_only()
         self.index_log = index_log
         self.evicted = 0
+        self.refused = 0
         self._known: int | None = None
+        self._measured_at = float("-inf")
         self._groups: dict[str, int] = {}
+        self._pools: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def admit(self, nbytes: int, fingerprint: str | None = "") -> bool:
         """Make room for a write of ``nbytes`` by the entry of ``fingerprint`` (its
-        namespace's group is charged); False if it could never fit."""
+        group is charged); False: refused (larger than its quota, or no room
+        without evicting a group within its quota)."""
         group = self.quotas.group(fingerprint)
-        limit = self.quotas.limit(group, self.max_bytes)
-        if nbytes > limit:
+        pool = self.quotas.pool(group)
+        if nbytes > self.quotas.limit(group, self.max_bytes):
+            self.refused += 1
             return False
         with self._lock:
-            near = self._known is None or self._known + nbytes > self.max_bytes
-            if near or self._groups.get(group, 0) + nbytes > limit:
-                self._make_room(group, nbytes)
+            if self._near(group, pool, nbytes) and not self._make_room(group, nbytes):
+                self.refused += 1
+                return False
             assert self._known is not None
             self._known += nbytes
-            self._groups[group] = self._groups.get(group, 0) + nbytes
+            self._charge(group, nbytes)
             return True
 
-    def _make_room(self, group: str, nbytes: int) -> None:
-        """Measure the store; evict what the bounds need (and compact the index log)."""
+    def _near(self, group: str, pool: str | None, nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` in ``group`` may pass a bound."""
+        if self._known is None or self._known + nbytes > self.max_bytes:
+            return True
+        if self._groups.get(group, 0) + nbytes > self.quotas.limit(group, self.max_bytes):
+            return True
+        if pool is None:
+            return False
+        return self._pools.get(pool, 0) + nbytes > self.quotas.pool_limit(pool, self.max_bytes)
+
+    def _charge(self, group: str, nbytes: int) -> None:
+        self._groups[group] = self._groups.get(group, 0) + nbytes
+        pool = self.quotas.pool(group)
+        if pool is not None:
+            self._pools[pool] = self._pools.get(pool, 0) + nbytes
+
+    def _surely_refused(self, group: str, nbytes: int) -> bool:
+        """Whether the last measurement, if recent, shows that a write of ``nbytes``
+        in ``group`` cannot fit: the store past its budget even with all of the
+        writer's group, the unreadable entries and every group over its quota (or
+        in the writer's pool, where it fills it) gone. Saves a listing per write
+        while the store is full of groups within their quotas."""
+        if self._known is None or time.monotonic() - self._measured_at > self.REMEASURE_S:
+            return False
+        quotas, limit = self.quotas, self.max_bytes
+        pool = quotas.pool(group)
+        filled = pool is not None and self._pools.get(pool, 0) + nbytes > quotas.pool_limit(
+            pool, limit
+        )
+
+        def may_go(name: str, held: int) -> bool:
+            if name in (group, UNREADABLE) or held > quotas.limit(name, limit):
+                return True
+            of = quotas.pool(name)
+            if of is None:
+                return False
+            return (of == pool and filled) or self._pools.get(of, 0) > quotas.pool_limit(of, limit)
+
+        freeable = sum(held for name, held in self._groups.items() if may_go(name, held))
+        return self._known + nbytes - freeable > limit
+
+    def _make_room(self, group: str, nbytes: int) -> bool:
+        """Measure the store; evict what the bounds need (and compact the index log).
+        False: the write does not fit (refused)."""
+        if self._surely_refused(group, nbytes):
+            return False
         live = self.store.temp_files()
         entries = list(self.store.entries())
         reserved = sum(t.nbytes for t in live) + self._log_bytes()
-        chosen = select_for_budget(
+        selection = select_for_budget(
             entries,
             self.quotas,
             self.max_bytes,
@@ -265,6 +319,7 @@ class StoreBudget:
             reserved_bytes=reserved,
             low_water=self.low_water,
         )
+        chosen = selection.evict
         for info in chosen:
             self.store.delete(info.key)
         self.evicted += len(chosen)
@@ -274,10 +329,11 @@ class StoreBudget:
             self._compact_log({info.key for info in kept})
             reserved = sum(t.nbytes for t in live) + self._log_bytes()
         self._known = reserved + sum(info.nbytes for info in kept)
-        self._groups = {}
+        self._measured_at = time.monotonic()
+        self._groups, self._pools = {}, {}
         for info in kept:
-            name = self.quotas.group(info.fingerprint)
-            self._groups[name] = self._groups.get(name, 0) + info.nbytes
+            self._charge(self.quotas.group(info.fingerprint), info.nbytes)
+        return selection.admitted
 
     def _log_bytes(self) -> int:
         if self.index_log is None:
