@@ -198,8 +198,9 @@ class StoreBudget:
     compacted after each eviction (the records of evicted entries go). The
     sizes are measured then and counted forward from each write in between, so
     a write costs no listing until a bound is near; while the last measurement
-    (under ``REMEASURE_S`` old) shows that a write cannot fit even with every
-    entry it may evict gone, it is refused without a listing. Writers in other
+    (under ``REMEASURE_S`` old, and no pooled entry turned idle since) shows
+    that a write cannot fit even with every entry it may evict gone, it is
+    refused without a listing. Writers in other
     processes are seen at the next measurement: the budget holds per writer,
     and across writers up to what they write in between.
 
@@ -238,9 +239,11 @@ class StoreBudget:
         self.evicted = 0
         self.refused = 0
         self._known: int | None = None
-        self._measured_at = float("-inf")
+        self._measured_at = float("-inf")  # time.monotonic()
         self._groups: dict[str, int] = {}
         self._pools: dict[str, int] = {}
+        self._idle_bytes = 0  # pooled entries idle at the measurement
+        self._next_idle = float("-inf")  # when the next one turns idle (unix time)
         self._lock = threading.Lock()
 
     def admit(self, nbytes: int, fingerprint: str | None = "") -> bool:
@@ -280,10 +283,12 @@ class StoreBudget:
     def _surely_refused(self, group: str, nbytes: int) -> bool:
         """Whether the last measurement, if recent, shows that a write of ``nbytes``
         in ``group`` cannot fit: the store past its budget even with all of the
-        writer's group, the unreadable entries and every group over its quota (or
-        in the writer's pool, where it fills it) gone. Saves a listing per write
-        while the store is full of groups within their quotas."""
+        writer's group, every group over its quota (or in the writer's pool,
+        where the write fills it) and every idle pooled entry gone. Saves a
+        listing per write while the store is full of groups within their quotas."""
         if self._known is None or time.monotonic() - self._measured_at > self.REMEASURE_S:
+            return False
+        if time.time() >= self._next_idle:
             return False
         quotas, limit = self.quotas, self.max_bytes
         pool = quotas.pool(group)
@@ -299,8 +304,27 @@ class StoreBudget:
                 return False
             return (of == pool and filled) or self._pools.get(of, 0) > quotas.pool_limit(of, limit)
 
-        freeable = sum(held for name, held in self._groups.items() if may_go(name, held))
+        freeable = self._idle_bytes
+        freeable += sum(held for name, held in self._groups.items() if may_go(name, held))
         return self._known + nbytes - freeable > limit
+
+    def _measured(self, kept: list[EntryInfo], reserved: int) -> None:
+        """Count what the store holds now: by group, by pool, and its idle entries."""
+        self._known = reserved + sum(info.nbytes for info in kept)
+        self._measured_at, now = time.monotonic(), time.time()
+        self._groups, self._pools = {}, {}
+        self._idle_bytes, self._next_idle = 0, float("inf")
+        for info in kept:
+            group = self.quotas.group(info.fingerprint)
+            self._charge(group, info.nbytes)
+            pool = self.quotas.pool(group)
+            if pool is None:
+                continue
+            idle_at = (info.updated_at or 0.0) + self.quotas.shares(pool).idle_s
+            if idle_at <= now:
+                self._idle_bytes += info.nbytes
+            else:
+                self._next_idle = min(self._next_idle, idle_at)
 
     def _make_room(self, group: str, nbytes: int) -> bool:
         """Measure the store; evict what the bounds need (and compact the index log).
@@ -328,11 +352,7 @@ class StoreBudget:
         if chosen and self.index_log is not None:
             self._compact_log({info.key for info in kept})
             reserved = sum(t.nbytes for t in live) + self._log_bytes()
-        self._known = reserved + sum(info.nbytes for info in kept)
-        self._measured_at = time.monotonic()
-        self._groups, self._pools = {}, {}
-        for info in kept:
-            self._charge(self.quotas.group(info.fingerprint), info.nbytes)
+        self._measured(kept, reserved)
         return selection.admitted
 
     def _log_bytes(self) -> int:
