@@ -51,10 +51,20 @@ class Budgeted:
     most: int = 0  # the most the store held after a write
     refused: int = 0
     residents: list[ChunkKV] = field(default_factory=list)
+    seconds: float = 0.0  # the budget's clock (``wait`` moves it)
 
     def __post_init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        """A budget that knows nothing of the store yet (a server started anew)."""
         named = {KEY_A.namespace: 0, KEY_B.namespace: 0}
-        self.budget = StoreBudget(self.store, self.units * UNIT, quotas=Quotas(0.5, named))
+        self.budget = StoreBudget(
+            self.store, self.units * UNIT, quotas=Quotas(0.5, named), clock=lambda: self.seconds
+        )
+
+    def wait(self, seconds: float) -> None:
+        self.seconds += seconds
 
     def write(self, kv: ChunkKV) -> bool:
         """What the connector's worker does with an entry it stores."""
@@ -97,20 +107,20 @@ class Budgeted:
 def anonymous_agent_flood(b: Budgeted, waves: int = 10, at_once: int = 12) -> int:
     """Anonymous agent calls, ``at_once`` at a time: each stores its private prefix
     (32 tokens, in the namespace of that request alone) and drops it once
-    answered, as the reuse hook does; the last wave is left unanswered.
-    Returns how many prefixes were stored."""
+    answered seconds later, as the reuse hook does; the last wave is left
+    unanswered. Returns how many prefixes were stored."""
     stored = 0
     for wave in range(waves):
-        prefixes = [make_kv(Tenant.of_anonymous_request(secrets.token_hex(16)), n=32)]
-        prefixes += [
+        prefixes = [
             make_kv(Tenant.of_anonymous_request(secrets.token_hex(16)), n=32)
-            for _ in range(at_once - 1)
+            for _ in range(at_once)
         ]
         written = [kv for kv in prefixes if b.write(kv)]
         stored += len(written)
         if wave < waves - 1:
             for kv in written:
                 b.store.delete(kv.key)
+            b.wait(5.0)
     return stored
 
 

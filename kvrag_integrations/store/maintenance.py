@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,6 +211,7 @@ class StoreBudget:
         quotas: the groups' quotas (default: none but the budget; a server's
             connector gives each group a share).
         index_log: the content index's log beside the store (``matching``), or None.
+        clock: seconds, for how old a measurement is (``time.monotonic``).
 
     Examples:
         >>> from kvrag_integrations.store.memory import MemoryKVStore
@@ -218,7 +219,10 @@ class StoreBudget:
         False
     """
 
-    REMEASURE_S = 5.0
+    # How long a measurement decides refusals: others' deletes (a private entry
+    # dropped after its request) are seen this late; a flood of refused writes
+    # lists the store at most once per this.
+    REMEASURE_S = 1.0
 
     def __init__(
         self,
@@ -228,6 +232,7 @@ class StoreBudget:
         *,
         quotas: Quotas | None = None,
         index_log: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
@@ -236,13 +241,14 @@ class StoreBudget:
         self.low_water = low_water
         self.quotas = quotas if quotas is not None else Quotas.budget_only()
         self.index_log = index_log
+        self.clock = clock
         self.evicted = 0
         self.refused = 0
         self._known: int | None = None
-        self._measured_at = float("-inf")  # time.monotonic()
+        self._measured_at = float("-inf")  # by ``clock``
         self._groups: dict[str, int] = {}
         self._pools: dict[str, int] = {}
-        self._idle_bytes = 0  # pooled entries idle at the measurement
+        self._idle: dict[str, int] = {}  # bytes of pooled entries idle at the measurement
         self._next_idle = float("-inf")  # when the next one turns idle (unix time)
         self._lock = threading.Lock()
 
@@ -282,38 +288,38 @@ class StoreBudget:
 
     def _surely_refused(self, group: str, nbytes: int) -> bool:
         """Whether the last measurement, if recent, shows that a write of ``nbytes``
-        in ``group`` cannot fit: the store past its budget even with all of the
-        writer's group, every group over its quota (or in the writer's pool,
-        where the write fills it) and every idle pooled entry gone. Saves a
-        listing per write while the store is full of groups within their quotas."""
-        if self._known is None or time.monotonic() - self._measured_at > self.REMEASURE_S:
+        in ``group`` cannot fit its pool or the store even with all of the
+        writer's group, every group out of its quota and every idle pooled entry
+        gone. Saves a listing per write while the store, or the writer's pool,
+        is full of groups within their quotas."""
+        if self._known is None or self.clock() - self._measured_at > self.REMEASURE_S:
             return False
         if time.time() >= self._next_idle:
             return False
         quotas, limit = self.quotas, self.max_bytes
-        pool = quotas.pool(group)
-        filled = pool is not None and self._pools.get(pool, 0) + nbytes > quotas.pool_limit(
-            pool, limit
-        )
 
-        def may_go(name: str, held: int) -> bool:
+        def out(name: str, held: int) -> bool:
             if name in (group, UNREADABLE) or held > quotas.limit(name, limit):
                 return True
             of = quotas.pool(name)
-            if of is None:
-                return False
-            return (of == pool and filled) or self._pools.get(of, 0) > quotas.pool_limit(of, limit)
+            return of is not None and self._pools.get(of, 0) > quotas.pool_limit(of, limit)
 
-        freeable = self._idle_bytes
-        freeable += sum(held for name, held in self._groups.items() if may_go(name, held))
-        return self._known + nbytes - freeable > limit
+        free = {name: held for name, held in self._groups.items() if out(name, held)}
+        if self._known + nbytes - sum(free.values()) - sum(self._idle.values()) > limit:
+            return True
+        pool = quotas.pool(group)
+        if pool is None:
+            return False
+        pool_free = self._idle.get(pool, 0)
+        pool_free += sum(held for name, held in free.items() if quotas.pool(name) == pool)
+        return self._pools.get(pool, 0) + nbytes - pool_free > quotas.pool_limit(pool, limit)
 
     def _measured(self, kept: list[EntryInfo], reserved: int) -> None:
         """Count what the store holds now: by group, by pool, and its idle entries."""
         self._known = reserved + sum(info.nbytes for info in kept)
-        self._measured_at, now = time.monotonic(), time.time()
+        self._measured_at, now = self.clock(), time.time()
         self._groups, self._pools = {}, {}
-        self._idle_bytes, self._next_idle = 0, float("inf")
+        self._idle, self._next_idle = {}, float("inf")
         for info in kept:
             group = self.quotas.group(info.fingerprint)
             self._charge(group, info.nbytes)
@@ -322,7 +328,7 @@ class StoreBudget:
                 continue
             idle_at = (info.updated_at or 0.0) + self.quotas.shares(pool).idle_s
             if idle_at <= now:
-                self._idle_bytes += info.nbytes
+                self._idle[pool] = self._idle.get(pool, 0) + info.nbytes
             else:
                 self._next_idle = min(self._next_idle, idle_at)
 
