@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
-from kvrag_integrations.store.namespaces import KEY, PRIVATE, SALT, namespace_id
+from kvrag_integrations.store.namespaces import KEY, NAMESPACE_MARK, PRIVATE, SALT, namespace_id
 
 TURBO_SALT_PREFIX = "kvrag-turbo-"
 ANON_SALT_PREFIX = "kvrag-anon-"
@@ -105,7 +105,7 @@ class Tenant:
 
     def fingerprint(self, base: str) -> str:
         """The storage fingerprint of this tenant's entries under ``base``."""
-        return base if not self.namespace else f"{base}+ns-{self.namespace}"
+        return base if not self.namespace else f"{base}{NAMESPACE_MARK}{self.namespace}"
 
 
 def request_salt(tenant: Tenant, layout: Sequence[Sequence[Any]]) -> str | None:
