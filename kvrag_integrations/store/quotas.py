@@ -62,7 +62,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvrag_integrations.store.base import EntryInfo
-from kvrag_integrations.store.namespaces import PRIVATE, SALT, namespace_kind, namespace_of
+from kvrag_integrations.store.namespaces import (
+    PRIVATE,
+    SALT,
+    SHARED_ID,
+    namespace_kind,
+    namespace_of,
+)
 
 UNREADABLE = "?"
 DEFAULT_SHARE = 0.5
@@ -93,7 +99,6 @@ class Pool:
 
 SALT_POOL = Pool(together=0.25, each=1 / 16, idle_s=3600.0)
 PRIVATE_POOL = Pool(together=0.25, each=0.25, idle_s=600.0)
-_UNBOUNDED_POOL = Pool(together=1.0, each=1.0, idle_s=float("inf"))
 
 
 @dataclass(frozen=True)
@@ -108,12 +113,15 @@ class Quotas:
         salts: the salts' pool (all client salts together, and each).
         private: the private pool (all requests' private entries together, and
             each request's).
+        grouped: entries are grouped by namespace (False: the store is one
+            group, least recently used first, whoever wrote what).
     """
 
     share: float = DEFAULT_SHARE
     named: Mapping[str, int] = field(default_factory=dict)
     salts: Pool = SALT_POOL
     private: Pool = PRIVATE_POOL
+    grouped: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.share <= 1:
@@ -124,8 +132,9 @@ class Quotas:
 
     @classmethod
     def budget_only(cls) -> Quotas:
-        """No bound but the budget: every group and pool may hold all of it."""
-        return cls(1.0, salts=_UNBOUNDED_POOL, private=_UNBOUNDED_POOL)
+        """No bound but the budget: the store is one group (its least recently used
+        entries go first, whoever wrote them)."""
+        return cls(1.0, grouped=False)
 
     def group(self, fingerprint: str | None) -> str:
         """The group an entry of ``fingerprint`` counts in: its namespace id, or
@@ -133,7 +142,7 @@ class Quotas:
         namespace = namespace_of(fingerprint)
         if namespace is None or namespace_kind(namespace) is None:
             return UNREADABLE
-        return namespace
+        return namespace if self.grouped else SHARED_ID
 
     def pool(self, group: str) -> str | None:
         """The pool ``group`` counts in (``"salt"``, ``"private"``), or None."""

@@ -161,3 +161,15 @@ def test_auto_budget_of_a_disk_store_is_half_of_what_its_disk_could_give(
     free = shutil.disk_usage(tmp_path).free
     assert abs(again - DISK_FRACTION * (free + held_now)) <= 0.01 * free
     assert store_budget(MemoryKVStore(max_bytes=2**30))[0] == 2**30
+
+
+def test_a_budget_without_quotas_evicts_the_least_recently_used_of_any_tenant() -> None:
+    store = MemoryKVStore(max_bytes=None)
+    one = make_kv(0, BASE).nbytes
+    budget = StoreBudget(store, 3 * one, low_water=1.0)  # no quotas: one group
+    older = make_kv(1, A.fingerprint(BASE))
+    for kv in (older, make_kv(2, B.fingerprint(BASE)), make_kv(3, BASE)):
+        assert budget.admit(kv.nbytes, kv.fingerprint)
+        store.put(kv)
+    assert budget.admit(one, Tenant.of_salt("s").fingerprint(BASE))
+    assert not store.contains(older.key) and len(store) == 2
