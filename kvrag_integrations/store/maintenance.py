@@ -6,12 +6,12 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvrag_integrations.store.base import EntryInfo, KVStore
-from kvrag_integrations.store.quotas import Quotas, select_for_budget
+from kvrag_integrations.store.quotas import UNREADABLE, Quotas, select_for_budget
 
 logger = logging.getLogger(__name__)
 
@@ -187,32 +187,42 @@ class StoreBudget:
     """Keeps a store within ``max_bytes`` as entries are written to it, and each
     group of namespaces within its quota (``store.quotas``).
 
-    Before a write that would take its namespace's group past its quota, or the
-    store past its budget, entries are evicted (``quotas.select_for_budget``:
-    the group's own least recently used ones, then those of whichever group
-    holds the most) until the store holds at most ``low_water`` of the budget
-    with the new entry. ``EntryInfo.updated_at`` orders use (``touch`` marks
-    one). The store's size counts its entries, live writers' temp files and the
-    content index's log (``index_log``), which is compacted after each eviction
-    (the records of evicted entries go). The sizes are measured then and counted
-    forward from each write in between, so a write costs no listing until a
-    bound is near. Writers in other processes are seen at the next measurement:
-    the budget holds per writer, and across writers up to what they write in
-    between.
+    Before a write that would take its group past its quota, its pool past the
+    pool's, or the store past its budget, entries are evicted as
+    ``quotas.select_for_budget`` chooses: the writer's group's own least
+    recently used ones first, then only those of groups over their quota. A
+    write that cannot fit without evicting a group within its quota is refused
+    (``admit`` is False: the entry is not stored). ``EntryInfo.updated_at``
+    orders use (``touch`` marks one). The store's size counts its entries, live
+    writers' temp files and the content index's log (``index_log``), which is
+    compacted after each eviction (the records of evicted entries go). The
+    sizes are measured then and counted forward from each write in between, so
+    a write costs no listing until a bound is near; while the last measurement
+    (under ``REMEASURE_S`` old, and no pooled entry turned idle since) shows
+    that a write cannot fit even with every entry it may evict gone, it is
+    refused without a listing. Writers in other
+    processes are seen at the next measurement: the budget holds per writer,
+    and across writers up to what they write in between.
 
     Args:
         store: the store to keep in bounds.
         max_bytes: its budget (``budget.store_budget`` sizes one from the store).
         low_water: the share of a bound an eviction frees down to.
-        quotas: the namespaces' quotas (default: none but the budget; a server's
+        quotas: the groups' quotas (default: none but the budget; a server's
             connector gives each group a share).
         index_log: the content index's log beside the store (``matching``), or None.
+        clock: seconds, for how old a measurement is (``time.monotonic``).
 
     Examples:
         >>> from kvrag_integrations.store.memory import MemoryKVStore
         >>> StoreBudget(MemoryKVStore(), max_bytes=100).admit(200)
         False
     """
+
+    # How long a measurement decides refusals: others' deletes (a private entry
+    # dropped after its request) are seen this late; a flood of refused writes
+    # lists the store at most once per this.
+    REMEASURE_S = 1.0
 
     def __init__(
         self,
@@ -222,41 +232,115 @@ class StoreBudget:
         *,
         quotas: Quotas | None = None,
         index_log: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.store = store
         self.max_bytes = max_bytes
         self.low_water = low_water
-        self.quotas = quotas if quotas is not None else Quotas(share=1.0)
+        self.quotas = quotas if quotas is not None else Quotas.budget_only()
         self.index_log = index_log
+        self.clock = clock
         self.evicted = 0
+        self.refused = 0
         self._known: int | None = None
+        self._measured_at = float("-inf")  # by ``clock``
         self._groups: dict[str, int] = {}
+        self._pools: dict[str, int] = {}
+        self._idle: dict[str, int] = {}  # bytes of pooled entries idle at the measurement
+        self._next_idle = float("-inf")  # when the next one turns idle (unix time)
         self._lock = threading.Lock()
 
     def admit(self, nbytes: int, fingerprint: str | None = "") -> bool:
         """Make room for a write of ``nbytes`` by the entry of ``fingerprint`` (its
-        namespace's group is charged); False if it could never fit."""
+        group is charged); False: refused (larger than its quota, or no room
+        without evicting a group within its quota)."""
         group = self.quotas.group(fingerprint)
-        limit = self.quotas.limit(group, self.max_bytes)
-        if nbytes > limit:
+        pool = self.quotas.pool(group)
+        if nbytes > self.quotas.limit(group, self.max_bytes):
+            self.refused += 1
             return False
         with self._lock:
-            near = self._known is None or self._known + nbytes > self.max_bytes
-            if near or self._groups.get(group, 0) + nbytes > limit:
-                self._make_room(group, nbytes)
+            if self._near(group, pool, nbytes) and not self._make_room(group, nbytes):
+                self.refused += 1
+                return False
             assert self._known is not None
             self._known += nbytes
-            self._groups[group] = self._groups.get(group, 0) + nbytes
+            self._charge(group, nbytes)
             return True
 
-    def _make_room(self, group: str, nbytes: int) -> None:
-        """Measure the store; evict what the bounds need (and compact the index log)."""
+    def _near(self, group: str, pool: str | None, nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` in ``group`` may pass a bound."""
+        if self._known is None or self._known + nbytes > self.max_bytes:
+            return True
+        if self._groups.get(group, 0) + nbytes > self.quotas.limit(group, self.max_bytes):
+            return True
+        if pool is None:
+            return False
+        return self._pools.get(pool, 0) + nbytes > self.quotas.pool_limit(pool, self.max_bytes)
+
+    def _charge(self, group: str, nbytes: int) -> None:
+        self._groups[group] = self._groups.get(group, 0) + nbytes
+        pool = self.quotas.pool(group)
+        if pool is not None:
+            self._pools[pool] = self._pools.get(pool, 0) + nbytes
+
+    def _surely_refused(self, group: str, nbytes: int) -> bool:
+        """Whether the last measurement, if recent, shows that a write of ``nbytes``
+        in ``group`` cannot fit its pool or the store even with all of the
+        writer's group, every group out of its quota and every idle pooled entry
+        gone. Saves a listing per write while the store, or the writer's pool,
+        is full of groups within their quotas."""
+        if self._known is None or self.clock() - self._measured_at > self.REMEASURE_S:
+            return False
+        if time.time() >= self._next_idle:
+            return False
+        quotas, limit = self.quotas, self.max_bytes
+
+        def out(name: str, held: int) -> bool:
+            if name in (group, UNREADABLE) or held > quotas.limit(name, limit):
+                return True
+            of = quotas.pool(name)
+            return of is not None and self._pools.get(of, 0) > quotas.pool_limit(of, limit)
+
+        free = {name: held for name, held in self._groups.items() if out(name, held)}
+        if self._known + nbytes - sum(free.values()) - sum(self._idle.values()) > limit:
+            return True
+        pool = quotas.pool(group)
+        if pool is None:
+            return False
+        pool_free = self._idle.get(pool, 0)
+        pool_free += sum(held for name, held in free.items() if quotas.pool(name) == pool)
+        return self._pools.get(pool, 0) + nbytes - pool_free > quotas.pool_limit(pool, limit)
+
+    def _measured(self, kept: list[EntryInfo], reserved: int) -> None:
+        """Count what the store holds now: by group, by pool, and its idle entries."""
+        self._known = reserved + sum(info.nbytes for info in kept)
+        self._measured_at, now = self.clock(), time.time()
+        self._groups, self._pools = {}, {}
+        self._idle, self._next_idle = {}, float("inf")
+        for info in kept:
+            group = self.quotas.group(info.fingerprint)
+            self._charge(group, info.nbytes)
+            pool = self.quotas.pool(group)
+            if pool is None:
+                continue
+            idle_at = (info.updated_at or 0.0) + self.quotas.shares(pool).idle_s
+            if idle_at <= now:
+                self._idle[pool] = self._idle.get(pool, 0) + info.nbytes
+            else:
+                self._next_idle = min(self._next_idle, idle_at)
+
+    def _make_room(self, group: str, nbytes: int) -> bool:
+        """Measure the store; evict what the bounds need (and compact the index log).
+        False: the write does not fit (refused)."""
+        if self._surely_refused(group, nbytes):
+            return False
         live = self.store.temp_files()
         entries = list(self.store.entries())
         reserved = sum(t.nbytes for t in live) + self._log_bytes()
-        chosen = select_for_budget(
+        selection = select_for_budget(
             entries,
             self.quotas,
             self.max_bytes,
@@ -265,6 +349,7 @@ class StoreBudget:
             reserved_bytes=reserved,
             low_water=self.low_water,
         )
+        chosen = selection.evict
         for info in chosen:
             self.store.delete(info.key)
         self.evicted += len(chosen)
@@ -273,11 +358,8 @@ class StoreBudget:
         if chosen and self.index_log is not None:
             self._compact_log({info.key for info in kept})
             reserved = sum(t.nbytes for t in live) + self._log_bytes()
-        self._known = reserved + sum(info.nbytes for info in kept)
-        self._groups = {}
-        for info in kept:
-            name = self.quotas.group(info.fingerprint)
-            self._groups[name] = self._groups.get(name, 0) + info.nbytes
+        self._measured(kept, reserved)
+        return selection.admitted
 
     def _log_bytes(self) -> int:
         if self.index_log is None:

@@ -10,7 +10,10 @@ connector's scheduler side and ``VLLMEngine`` clients all apply these rules.
   isolation; a secret its holders share), or the one an API key maps to (the
   gateway signs that as a ``grant``, bound to the key: a revoked key's grants
   stop counting). Entries are keyed by the namespace, so a request can read,
-  and learn of, only its own namespace's entries.
+  and learn of, only its own namespace's entries. A namespace id says its
+  kind (``store.namespaces``: ``key-``, ``salt-``, and ``private-`` for one
+  anonymous request's own entries), which the store's budget reads to give
+  each tenant its own quota (``store.quotas``).
 - **Anonymous callers share nothing but what writers stored.** A request with
   neither key nor salt reads the shared namespace (ingested chunks and
   documents) under a salt of its own (``Grant.anonymous``: vLLM's prefix cache
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.store.namespaces import KEY, NAMESPACE_MARK, PRIVATE, SALT, namespace_id
 
 TURBO_SALT_PREFIX = "kvrag-turbo-"
 ANON_SALT_PREFIX = "kvrag-anon-"
@@ -81,7 +85,7 @@ class Tenant:
             return cls()
         if not isinstance(salt, str) or salt.startswith(TURBO_SALT_PREFIX):
             raise TransferParamsError(f"a tenant's salt must not start with {TURBO_SALT_PREFIX!r}")
-        return cls(_digest("salt", salt), salt)
+        return cls(namespace_id(SALT, salt), salt)
 
     @classmethod
     def of_key_namespace(cls, name: str, secret: bytes) -> Tenant:
@@ -89,16 +93,19 @@ class Tenant:
         replicas sharing a store and the key file share them), its salt derived
         from the server's secret (no client can send it)."""
         salt = "kvrag-ns-" + hmac.new(secret, name.encode(), hashlib.sha256).hexdigest()[:32]
-        return cls(_digest("key", name), salt)
+        return cls(namespace_id(KEY, name), salt)
+
+    @classmethod
+    def of_anonymous_request(cls, nonce: str) -> Tenant:
+        """The tenant of one anonymous request's own entries (its private prefix, its
+        glue), under its own salt (``Grant.anonymous``'s nonce): a namespace no
+        other request can name, whose entries the store's budget counts in the
+        private pool, never in the shared namespace's quota (``store.quotas``)."""
+        return cls(namespace_id(PRIVATE, nonce), ANON_SALT_PREFIX + nonce)
 
     def fingerprint(self, base: str) -> str:
         """The storage fingerprint of this tenant's entries under ``base``."""
-        return base if not self.namespace else f"{base}+ns-{self.namespace}"
-
-
-def _digest(kind: str, name: str) -> str:
-    # Key namespaces and salt namespaces never meet: a client cannot name a key's.
-    return hashlib.sha256(f"{kind}|{name}".encode()).hexdigest()[:24]
+        return base if not self.namespace else f"{base}{NAMESPACE_MARK}{self.namespace}"
 
 
 def request_salt(tenant: Tenant, layout: Sequence[Sequence[Any]]) -> str | None:

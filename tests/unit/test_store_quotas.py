@@ -16,13 +16,14 @@ from kvrag_integrations.chunk_kv import ChunkKV, cache_key
 from kvrag_integrations.matching import DiskIndexLog
 from kvrag_integrations.store import DiskKVStore, MemoryKVStore
 from kvrag_integrations.store.maintenance import StoreBudget
+from kvrag_integrations.store.namespaces import namespace_id, namespace_kind
 from kvrag_integrations.store.quotas import Quotas, namespace_of
 from kvrag_integrations.store.sizing import DISK_FRACTION, store_budget
 from kvrag_integrations.vllm.config import ConnectorSettings, parse_store_bytes
 from kvrag_integrations.vllm.gateway import KeyFile
 from kvrag_integrations.vllm.serve import main as serve_main
 from kvrag_integrations.vllm.serve import namespace_quotas
-from kvrag_integrations.vllm.trust import Tenant
+from kvrag_integrations.vllm.trust import ANON_SALT_PREFIX, Tenant
 
 BASE = "model-fp"
 A, B = (Tenant.of_key_namespace(name, b"secret") for name in ("team-a", "team-b"))
@@ -75,22 +76,21 @@ def test_a_flood_of_one_tenant_keeps_the_store_in_budget_and_spares_the_others(
     assert set(keys) == live and len(keys) <= len(live) + 0.25 * len(live) + 6
 
 
-def test_client_salts_share_one_quota_and_the_largest_holder_gives_way(tmp_path: Path) -> None:
-    store, log = DiskKVStore(tmp_path), DiskIndexLog(tmp_path)
-    one = make_kv(0, BASE).nbytes + 4096
-    budget = StoreBudget(store, 10 * one, quotas=Quotas(0.5, {A.namespace: 0}), index_log=log)
-    salts = [Tenant.of_salt(f"salt-{i}") for i in range(30)]
-    for i, tenant in enumerate(salts):  # a client minting a namespace per request
-        assert write(store, budget, log, make_kv(i, tenant.fingerprint(BASE)))
-    salted = [i for i in store.entries() if namespace_of(i.fingerprint) != ""]
-    assert sum(i.nbytes for i in salted) <= 5 * one  # all salts together: half
-    shared = [make_kv(100 + i, BASE) for i in range(4)]
-    for kv in shared:
-        assert write(store, budget, log, kv)
-    for i in range(20):  # tenant A fills what is left: the salts' entries give way first
-        assert write(store, budget, log, make_kv(200 + i, A.fingerprint(BASE)))
-        assert held(store, log) <= 10 * one
-    assert all(store.contains(kv.key) for kv in shared)
+def test_a_namespace_id_says_its_kind_and_no_kind_names_another() -> None:
+    salt, key = Tenant.of_salt("team-a"), Tenant.of_key_namespace("team-a", b"secret")
+    own = Tenant.of_anonymous_request("0f" * 16)
+    tenants = (Tenant(), key, salt, own)
+    kinds = [namespace_kind(namespace_of(t.fingerprint(BASE))) for t in tenants]
+    assert kinds == ["shared", "key", "salt", "private"]  # read from what is stored
+    assert len({salt.namespace, key.namespace, own.namespace, ""}) == 4
+    assert own.salt == ANON_SALT_PREFIX + "0f" * 16  # the request's own salt
+    quotas = Quotas()
+    assert [quotas.pool(t.namespace) for t in tenants] == [None, None, "salt", "private"]
+    for stale in ("0123456789abcdef01234567", "salt-xyz", "key-" + "0" * 25):
+        assert namespace_kind(stale) is None and quotas.group(f"{BASE}+ns-{stale}") == "?"
+    assert quotas.group(None) == "?"
+    with pytest.raises(ValueError, match="kind"):
+        namespace_id("team", "a")
 
 
 def test_a_key_quota_from_the_key_file_bounds_its_namespace(tmp_path: Path) -> None:
@@ -161,3 +161,15 @@ def test_auto_budget_of_a_disk_store_is_half_of_what_its_disk_could_give(
     free = shutil.disk_usage(tmp_path).free
     assert abs(again - DISK_FRACTION * (free + held_now)) <= 0.01 * free
     assert store_budget(MemoryKVStore(max_bytes=2**30))[0] == 2**30
+
+
+def test_a_budget_without_quotas_evicts_the_least_recently_used_of_any_tenant() -> None:
+    store = MemoryKVStore(max_bytes=None)
+    one = make_kv(0, BASE).nbytes
+    budget = StoreBudget(store, 3 * one, low_water=1.0)  # no quotas: one group
+    older = make_kv(1, A.fingerprint(BASE))
+    for kv in (older, make_kv(2, B.fingerprint(BASE)), make_kv(3, BASE)):
+        assert budget.admit(kv.nbytes, kv.fingerprint)
+        store.put(kv)
+    assert budget.admit(one, Tenant.of_salt("s").fingerprint(BASE))
+    assert not store.contains(older.key) and len(store) == 2
