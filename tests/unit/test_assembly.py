@@ -114,7 +114,9 @@ def record_tokenizer(monkeypatch: pytest.MonkeyPatch, tokenizer) -> list[str]:
     pair = tokenize_module._backends(tokenizer)
     assert pair is not None, "the bundled tokenizer has a Rust backend"
     spies = tuple(Recording(b, texts) for b in pair)
-    monkeypatch.setitem(tokenize_module._BACKENDS, tokenizer, spies)
+    # the cache keeps the template its structural tokens were read from
+    template = tokenize_module._template_text(tokenizer)
+    monkeypatch.setitem(tokenize_module._BACKENDS, tokenizer, (template, *spies))
     return texts
 
 
