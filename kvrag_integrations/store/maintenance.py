@@ -12,6 +12,7 @@ from typing import Any
 
 from kvrag_integrations.store.base import EntryInfo, KVStore
 from kvrag_integrations.store.quotas import Quotas, select_for_budget
+from kvrag_integrations.store.shards import Shards
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,9 @@ class StoreBudget:
     forward from each write in between, so a write costs no listing until a
     bound is near. Writers in other processes are seen at the next measurement:
     the budget holds per writer, and across writers up to what they write in
-    between.
+    between. On a Redis Cluster each primary is kept within its own bound as
+    well (``store.shards``): a write whose primary is full evicts there first,
+    or is refused.
 
     Args:
         store: the store to keep in bounds.
@@ -231,28 +234,38 @@ class StoreBudget:
         self.quotas = quotas if quotas is not None else Quotas(share=1.0)
         self.index_log = index_log
         self.evicted = 0
+        self.shards = Shards.of(store, max_bytes)
         self._known: int | None = None
         self._groups: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def admit(self, nbytes: int, fingerprint: str | None = "") -> bool:
+    def admit(self, nbytes: int, fingerprint: str | None = "", key: str | None = None) -> bool:
         """Make room for a write of ``nbytes`` by the entry of ``fingerprint`` (its
-        namespace's group is charged); False if it could never fit."""
+        namespace's group is charged) under cache key ``key`` (on a cluster, its
+        primary must hold it too); False if it could not fit."""
         group = self.quotas.group(fingerprint)
         limit = self.quotas.limit(group, self.max_bytes)
         if nbytes > limit:
             return False
+        sharded = self.shards is not None and key is not None
         with self._lock:
             near = self._known is None or self._known + nbytes > self.max_bytes
-            if near or self._groups.get(group, 0) + nbytes > limit:
-                self._make_room(group, nbytes)
+            shard_full = sharded and not self.shards.fits(key, nbytes)
+            if shard_full and self.shards.refused_lately(key):
+                return False
+            over = near or shard_full or self._groups.get(group, 0) + nbytes > limit
+            if over and not self._make_room(group, nbytes, key if sharded else None):
+                return False
             assert self._known is not None
             self._known += nbytes
             self._groups[group] = self._groups.get(group, 0) + nbytes
+            if sharded:
+                self.shards.add(key, nbytes)
             return True
 
-    def _make_room(self, group: str, nbytes: int) -> None:
-        """Measure the store; evict what the bounds need (and compact the index log)."""
+    def _make_room(self, group: str, nbytes: int, key: str | None = None) -> bool:
+        """Measure the store; evict what the bounds need (and compact the index log).
+        False: the primary of ``key`` cannot hold the write."""
         live = self.store.temp_files()
         entries = list(self.store.entries())
         reserved = sum(t.nbytes for t in live) + self._log_bytes()
@@ -265,6 +278,20 @@ class StoreBudget:
             reserved_bytes=reserved,
             low_water=self.low_water,
         )
+        room = True
+        if self.shards is not None:
+            by_shard = self.shards.measure(entries, {info.key for info in chosen})
+            if key is not None:
+                there = self.shards.select(
+                    by_shard,
+                    key,
+                    nbytes,
+                    writing=group,
+                    quotas=self.quotas,
+                    low_water=self.low_water,
+                )
+                room = there is not None
+                chosen += there or []
         for info in chosen:
             self.store.delete(info.key)
         self.evicted += len(chosen)
@@ -278,6 +305,7 @@ class StoreBudget:
         for info in kept:
             name = self.quotas.group(info.fingerprint)
             self._groups[name] = self._groups.get(name, 0) + info.nbytes
+        return room
 
     def _log_bytes(self) -> int:
         if self.index_log is None:
