@@ -91,11 +91,15 @@ class LocalRedisCluster:
         return f"redis+cluster://{auth}" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     # ----------------------------------------------------------------- life
-    def start(self) -> LocalRedisCluster:
+    def start(self, *, join: bool = True) -> LocalRedisCluster:
+        """Start every node and (``join``) make them one cluster serving every slot;
+        else they stay cluster nodes of no cluster, serving no slot."""
         for node in self.nodes:
             self._spawn(node)
         for node in self.nodes:
             self._wait_up(node)
+        if not join:
+            return self
         if self.primaries == 1:
             self.client(self.nodes[0].port).execute_command("CLUSTER ADDSLOTSRANGE", 0, 16383)
         else:
@@ -229,13 +233,16 @@ class LocalRedisCluster:
 
     def reshard(self, source: int, target: int, slots: int) -> subprocess.Popen:
         """Start moving ``slots`` slots from the primary on ``source`` to the one on
-        ``target`` (``redis-cli --cluster reshard``); returns the running process."""
+        ``target`` (``redis-cli --cluster reshard``); returns the running process
+        (its output goes to ``workdir/reshard.log``)."""
         topology = self.topology()
         auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
         args = [self.cli, *auth, "--cluster", "reshard", f"127.0.0.1:{source}"]
         args += ["--cluster-from", topology[source]["id"], "--cluster-to", topology[target]["id"]]
         args += ["--cluster-slots", str(slots), "--cluster-yes", "--cluster-pipeline", "10"]
-        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # To a file: a line per slot would fill a pipe nobody reads, and block it.
+        with open(self.workdir / "reshard.log", "ab") as log:
+            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _parse_nodes(nodes: dict[str, dict[str, Any]]) -> dict[int, dict[str, Any]]:

@@ -197,12 +197,14 @@ def open_cluster(url: str, socket_timeout: float = 1.0) -> Any:
 def _why_not(nodes: list[tuple[str, int]], exc: Exception) -> str:
     listed = ", ".join(f"{host}:{port}" for host, port in nodes)
     text = str(exc)
-    if "cannot be connected" in text:
-        return f"no Redis Cluster node answers at {listed} (a down cluster, or wrong nodes): {text}"
     if "not enabled" in text:
         return f"{listed}: no Redis Cluster node (cluster mode disabled: use redis://)"
     if "not covered" in text:
         return f"the Redis Cluster at {listed} does not serve every hash slot ({text})"
+    if any(word in text for word in ("username-password", "WRONGPASS", "NOAUTH", "uthenticat")):
+        return f"the Redis Cluster at {listed} refused the URL's credentials: {text}"
+    if "cannot be connected" in text:
+        return f"no Redis Cluster node answers at {listed} (a down cluster, or wrong nodes): {text}"
     return f"the Redis Cluster at {listed}: {text}"
 
 

@@ -13,10 +13,34 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
+import torch
+
 from kvrag_integrations import RedisKVStore
 from kvrag_integrations.bench.redis_cluster import LocalRedisCluster, find_binary
+from kvrag_integrations.chunk_kv import ChunkKV
 
 PASSWORD = "cluster-test-secret"  # every node asks for it: the URL's password is used
+FP = "fp-cluster-test"
+
+
+def make_kv(seed: int = 0, n: int = 16, width: int = 8) -> ChunkKV:
+    """An entry of random K/V (its key, a sha256 of its ids, spreads as a chunk's would)."""
+    gen, shape = torch.Generator().manual_seed(seed), (2, 2, n, width)
+    keys, values = (torch.randn(shape, generator=gen) for _ in range(2))
+    return ChunkKV(torch.randint(0, 32000, (n,), generator=gen), keys, values, FP)
+
+
+def same(a: ChunkKV | None, b: ChunkKV) -> bool:
+    """``a`` is ``b`` bit for bit."""
+    return a is not None and all(
+        torch.equal(getattr(a, name), getattr(b, name)) for name in ("token_ids", "keys", "values")
+    )
+
+
+def replicated(cluster: LocalRedisCluster) -> None:
+    """Wait until every primary's writes reached its replica (``WAIT``)."""
+    for port in cluster.primary_ports():
+        cluster.client(port).execute_command("WAIT", cluster.replicas, 10_000)
 
 
 def cluster_binaries() -> str | None:
