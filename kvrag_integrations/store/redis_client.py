@@ -126,7 +126,7 @@ def _host_port(part: str) -> tuple[str, int]:
         raise StoreURLError(f"a Redis Cluster URL lists a node without a host: {part!r}")
     if not port:
         return host, DEFAULT_PORT
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise StoreURLError(f"a Redis Cluster URL lists a bad port: {part!r}")
     return host, int(port)
 
