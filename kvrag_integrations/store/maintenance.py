@@ -199,9 +199,10 @@ class StoreBudget:
     forward from each write in between, so a write costs no listing until a
     bound is near. Writers in other processes are seen at the next measurement:
     the budget holds per writer, and across writers up to what they write in
-    between. On a Redis Cluster each primary is kept within its own bound as
-    well (``store.shards``): a write whose primary is full evicts there first,
-    or is refused.
+    between. On Redis each primary (one server, or each of a cluster's) is kept
+    within its own bounds as well (``store.shards``: its share of the budget,
+    and its ``maxmemory`` with all else it holds): a write whose primary is
+    full evicts there first, or is refused.
 
     Args:
         store: the store to keep in bounds.
@@ -241,8 +242,8 @@ class StoreBudget:
 
     def admit(self, nbytes: int, fingerprint: str | None = "", key: str | None = None) -> bool:
         """Make room for a write of ``nbytes`` by the entry of ``fingerprint`` (its
-        namespace's group is charged) under cache key ``key`` (on a cluster, its
-        primary must hold it too); False if it could not fit."""
+        namespace's group is charged) under cache key ``key`` (on Redis, its primary
+        must hold it too); False if it could not fit."""
         group = self.quotas.group(fingerprint)
         limit = self.quotas.limit(group, self.max_bytes)
         if nbytes > limit:

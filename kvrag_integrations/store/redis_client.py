@@ -236,11 +236,11 @@ def primaries_memory(client: Any) -> dict[str, dict[str, int]]:
     if not is_cluster(client):
         info = client.info("memory")
         return {"": {k: int(info.get(k, 0) or 0) for k in _MEMORY_FIELDS}}
-    replies = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-    return {
-        name: {k: int(info.get(k, 0) or 0) for k in _MEMORY_FIELDS}
-        for name, info in replies.items()
-    }
+    out = {}
+    for node in client.get_primaries():  # one by one: one primary's reply is not keyed
+        info = client.info("memory", target_nodes=node)
+        out[node.name] = {k: int(info.get(k, 0) or 0) for k in _MEMORY_FIELDS}
+    return out
 
 
 _MEMORY_FIELDS = ("maxmemory", "used_memory", "total_system_memory")

@@ -1,24 +1,26 @@
-"""Each primary of a Redis Cluster within its own bound, as entries are written.
+"""Each Redis primary within its own bounds, as entries are written.
 
-A cluster spreads entries over its primaries by hash slot, so one primary can
-fill before the cluster does: it serves more slots, holds others' keys, or
-chance put more entries there. Past its ``maxmemory`` a primary answers writes
-with Redis's OOM error (or, under an eviction policy, drops keys of its own
-choosing: parts of entries, the index log). ``maintenance.StoreBudget``
-therefore keeps each primary (a shard) within its bound too:
+A Redis Cluster spreads entries over its primaries by hash slot, so one
+primary can fill before the cluster does: it serves more slots, holds others'
+keys, or chance put more entries there. And any Redis, one server too, holds
+more than the store's entries: its own overhead, the index log, others' keys.
+Past its ``maxmemory`` a primary answers writes with Redis's OOM error (or,
+under an eviction policy, drops keys of its own choosing: parts of entries,
+the index log). ``maintenance.StoreBudget`` therefore keeps each primary (a
+shard; one server is one shard) within two bounds:
 
-- its bound: its share of the store's budget, in proportion to the primaries'
-  own bounds (``sizing.redis_capacities``: ``REDIS_FRACTION`` of its
-  ``maxmemory``), and never past its own bound;
-- what it holds: all its memory (``used_memory``: others' keys, the index log,
-  Redis's overhead and the store's entries), measured with a listing of the
-  store and counted forward from each write;
-- a write that would take its shard past the bound evicts entries of that
-  shard first, chosen by the store's own rule (``quotas.select_for_budget``)
-  on the shard's entries, each weighed as the shard's share of the store
-  (``max_bytes / bound``), so a group's quota holds on each shard as on the
-  whole: a tenant that fills one primary gives way there first;
-- a write the shard cannot hold even then is refused (not stored).
+- its share of the store's budget, for the store's entries: the budget split
+  in proportion to the primaries' capacities;
+- its capacity (``sizing.redis_capacities``: ``REDIS_FRACTION`` of its
+  ``maxmemory``), for all it holds (``used_memory``).
+
+Both are measured with a listing of the store (and ``INFO memory``), then
+counted forward from each write. A write that would take its shard past either
+evicts entries of that shard first, chosen by the store's own rule
+(``quotas.select_for_budget``) on the shard's entries, each weighed as the
+shard's share of the store (``max_bytes / share``), so a group's quota holds
+on each shard as on the whole: a tenant that fills one primary gives way there
+first. A write the shard cannot hold even then is refused (not stored).
 """
 
 from __future__ import annotations
@@ -39,24 +41,30 @@ REMEASURE_S = 5.0
 
 @dataclass
 class Shard:
-    """One primary's bound and what it holds, in bytes."""
+    """One primary's bounds and what it holds, in bytes."""
 
-    limit: int
-    other: int = 0  # held besides the store's entries: others' keys, overhead
+    share: int  # of the store's budget: for the store's entries
+    capacity: int  # for all it holds
+    other: int = 0  # held besides the store's entries: overhead, the index log, others' keys
     entries: int = 0  # the store's entries on it
     refused_at: float = float("-inf")  # when a write last found no room even after eviction
 
     @property
-    def held(self) -> int:
-        return self.other + self.entries
+    def reserved(self) -> int:
+        """What counts against the share besides the entries: the part of ``other``
+        that does not fit in the capacity left over by the share."""
+        return max(0, self.other - max(0, self.capacity - self.share))
+
+    def fits(self, nbytes: int) -> bool:
+        return self.reserved + self.entries + nbytes <= self.share
 
 
 class Shards:
-    """The shards of a store on a Redis Cluster, for a store budget of ``max_bytes``.
+    """The primaries of a Redis store, for a store budget of ``max_bytes``.
 
     Examples:
         >>> from kvrag_integrations.store.memory import MemoryKVStore
-        >>> Shards.of(MemoryKVStore(), 100) is None  # a store on one node has one bound
+        >>> Shards.of(MemoryKVStore(), 100) is None  # only Redis stores have primaries
         True
     """
 
@@ -66,13 +74,13 @@ class Shards:
 
     @classmethod
     def of(cls, store: Any, max_bytes: int) -> Shards | None:
-        """The shards of ``store`` (a ``RedisKVStore`` on a cluster), else None."""
-        return cls(store, max_bytes) if getattr(store, "cluster", False) else None
+        """The shards of ``store`` (a ``RedisKVStore``: one server or a cluster), else None."""
+        return cls(store, max_bytes) if callable(getattr(store, "shard_of", None)) else None
 
     def fits(self, key: str, nbytes: int) -> bool:
         """Whether the shard of ``key``, as last measured and counted, holds ``nbytes`` more."""
         shard = self.shards.get(self.store.shard_of(key))
-        return shard is not None and shard.held + nbytes <= shard.limit
+        return shard is not None and shard.fits(nbytes)
 
     def add(self, key: str, nbytes: int) -> None:
         """Count a write of ``nbytes`` to the shard of ``key``."""
@@ -83,9 +91,9 @@ class Shards:
     def measure(
         self, entries: Iterable[EntryInfo], gone: set[str] | frozenset[str] = frozenset()
     ) -> dict[str, list[EntryInfo]]:
-        """Read each primary's memory and bound; group ``entries`` (the store's listing,
-        less the keys ``gone``, being evicted) by shard and count them. Returns the
-        entries kept, by shard."""
+        """Read each primary's memory and capacity; group ``entries`` (the store's
+        listing, less the keys ``gone``, being evicted) by shard and count them.
+        Returns the entries kept, by shard."""
         from kvrag_integrations.store.redis_client import primaries_memory
         from kvrag_integrations.store.sizing import redis_capacities
 
@@ -102,11 +110,11 @@ class Shards:
                 by_shard[name].append(info)
         before, self.shards = self.shards, {}
         for name, capacity in capacities.items():
-            limit = min(capacity, int(self.max_bytes * capacity / total))
+            share = int(self.max_bytes * capacity / total)
             ours = sum(info.nbytes for info in by_shard.get(name, []))
             other = max(0, memory[name]["used_memory"] - ours - leaving[name])
             refused = before[name].refused_at if name in before else float("-inf")
-            self.shards[name] = Shard(limit, other, ours, refused)
+            self.shards[name] = Shard(share, capacity, other, ours, refused)
         return by_shard
 
     def select(
@@ -126,9 +134,9 @@ class Shards:
         shard = self.shards.get(name)
         if shard is None:  # a primary the listing did not see (a failover meanwhile)
             return None
-        if shard.held + nbytes <= shard.limit:
+        if shard.fits(nbytes):
             return []
-        scale = self.max_bytes / max(1, shard.limit)
+        scale = self.max_bytes / max(1, shard.share)
         weighed = {info.key: info for info in by_shard.get(name, [])}
         chosen = select_for_budget(
             [replace(info, nbytes=round(info.nbytes * scale)) for info in weighed.values()],
@@ -136,15 +144,16 @@ class Shards:
             self.max_bytes,
             writing=writing,
             nbytes=round(nbytes * scale),
-            reserved_bytes=round(shard.other * scale),
+            reserved_bytes=round(shard.reserved * scale),
             low_water=low_water,
         )
         evicted = [weighed[info.key] for info in chosen]
         freed = sum(info.nbytes for info in evicted)
-        if shard.held - freed + nbytes > shard.limit:
+        shard.entries -= freed
+        if not shard.fits(nbytes):
+            shard.entries += freed
             shard.refused_at = time.monotonic()
             return None
-        shard.entries -= freed
         return evicted
 
     def refused_lately(self, key: str) -> bool:

@@ -1,4 +1,5 @@
-"""The store's budget across a Redis Cluster's primaries (``StoreBudget``, ``store.shards``).
+"""The store's budget on Redis's primaries (``StoreBudget``, ``store.shards``): across
+a Redis Cluster's, and on one server.
 
 Every node of the run's cluster gets a small ``maxmemory`` with ``noeviction``
 (a write past it is Redis's OOM error) for the test, then none again.
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from redis_cluster_helpers import FP, make_kv
+from redis_helpers import RedisServer
 
 from kvrag_integrations import RedisKVStore
 from kvrag_integrations.bench.redis_cluster import LocalRedisCluster
@@ -19,6 +22,7 @@ from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.matching import index_log_for
 from kvrag_integrations.store.codec import encode_entry
 from kvrag_integrations.store.maintenance import StoreBudget
+from kvrag_integrations.store.redis_client import primaries_memory
 from kvrag_integrations.store.sizing import REDIS_FRACTION, store_budget
 
 pytest.importorskip("redis", reason="the redis client is missing: pip install -e '.[test]'")
@@ -49,8 +53,7 @@ def bounded(redis_cluster: LocalRedisCluster, redis_prefix: str) -> Iterator[Red
 
 def used(store: RedisKVStore) -> dict[str, int]:
     """Each primary's ``used_memory``."""
-    replies = store.client.info("memory", target_nodes=store.client.PRIMARIES)
-    return {name: int(info["used_memory"]) for name, info in replies.items()}
+    return {name: info["used_memory"] for name, info in primaries_memory(store.client).items()}
 
 
 def write(store: RedisKVStore, budget: StoreBudget, kvs: list[ChunkKV]) -> tuple[list, int]:
@@ -137,3 +140,25 @@ def test_a_tenant_that_fills_one_primary_gives_way_there_first(bounded: RedisKVS
     print(f"\nflood on one primary: {sum(kv.key in left for kv in flood)} of {len(flood)} kept")
     assert most <= MAXMEMORY and budget.evicted > 0
     assert all(kv.key in left for kv in shared)  # none of the shared entries went
+
+
+def test_one_server_full_of_others_keys_refuses_rather_than_meets_oom(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """One server is one shard: its ``used_memory`` counts too, so a budget sized from
+    its ``maxmemory`` never takes it to Redis's OOM error."""
+    own = RedisServer(redis_server.binary, tmp_path / "redis").start()
+    try:
+        store = RedisKVStore(own.url, prefix="one:")
+        store.client.config_set("maxmemory", MAXMEMORY)
+        store.client.config_set("maxmemory-policy", "noeviction")
+        for i in range(10):  # someone else's keys: ~13 MiB used with the allocator's rounding
+            store.client.set(f"foreign:{i}", b"x" * 2**20)
+        budget = StoreBudget(store, store_budget(store)[0])
+        written, most = write(store, budget, [make_kv(seed, **ENTRY) for seed in range(40)])
+        assert most <= MAXMEMORY and budget.evicted > 0 and len(store) < len(written)
+        with pytest.raises(StoreWriteError, match=r"used memory > 'maxmemory'"):
+            for seed in range(100, 140):  # the same writes without the budget
+                store.put(make_kv(seed, **ENTRY))
+    finally:
+        own.stop()
