@@ -53,8 +53,9 @@ class LocalRedisCluster:
 
     Args:
         workdir: a folder of the cluster's own (one sub-folder per node).
-        primaries, replicas: the shape (``redis-cli --cluster create`` needs 3
-            primaries or more; one primary is assigned every slot by hand).
+        primaries: how many primaries serve the slots (``redis-cli --cluster
+            create`` needs 3 or more; one primary is assigned every slot by hand).
+        replicas: how many replicas each primary has.
         password: ``requirepass`` and ``masterauth`` of every node (None: none).
         maxmemory: each node's ``maxmemory`` in bytes (None: unlimited), with
             ``noeviction``: a write past it is Redis's OOM error.
