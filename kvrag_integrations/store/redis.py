@@ -52,8 +52,9 @@ class RedisKVStore(EncodedKVStore):
     one is reused by all. On a Redis Cluster (a ``redis+cluster://`` URL, or a
     ``redis.cluster.RedisCluster`` client) the key is ``prefix + "{" + key + "}"``:
     the hash tag keeps an entry, its parts and their transaction in one slot,
-    and entries spread over the primaries by it. Values are checked exactly as on disk (checksum,
-    fingerprint, key); keys are 64-hex hashes only, never user text. An entry
+    and entries spread over the primaries by it. Values are checked exactly as
+    on disk (checksum, fingerprint, key); keys are 64-hex hashes only, never
+    user text. An entry
     larger than ``max_value_bytes`` is split: its parts are written first (under
     ``prefix + key + ":part:<sha256[:16]>:<i>"``), then a small manifest under the
     entry's key recording the part count, sizes and the sha256 of the whole; a
@@ -246,10 +247,7 @@ class RedisKVStore(EncodedKVStore):
 
         try:
             self.client.transaction(write, rkey)
-        except (
-            redis_lib.RedisError,
-            *self._down,
-        ) as exc:  # (a cluster's errors are not all RedisError)
+        except (redis_lib.RedisError, *self._down) as exc:  # a cluster's are not all RedisError
             raise StoreWriteError(f"cannot write cache entry {key[:16]} to redis: {exc}") from exc
 
     def _queue_write(self, pipe: Any, rkey: str, blob: bytes) -> None:
