@@ -10,7 +10,9 @@ fidelity to full prefill, F1 and log-likelihood against gold), ``attention``
 (LlamaIndex's HuggingFaceLLM against KVRAGLLM), ``memory`` (stored bytes per
 token and store read throughput), ``cold`` (a request on uncached chunks: KVRAGLLM
 against plain prefill and HuggingFaceLLM), ``stores`` (turbo TTFT from memory, disk
-and Redis per storage precision), ``vllm`` (vLLM with the KV connector against vLLM
+and Redis per storage precision), ``cluster`` (load throughput of 8 readers, turbo
+TTFT and capacity on one Redis server and on a Redis Cluster of 1 and 3 primaries,
+started here; run by name), ``vllm`` (vLLM with the KV connector against vLLM
 alone and the in-process engine: reuse, TTFT, throughput, the frameworks on it;
 needs vLLM installed), ``openai`` (plain OpenAI clients, LangChain's ``ChatOpenAI``
 and LlamaIndex's ``OpenAILike``, against the server with and without the connector;
@@ -40,6 +42,7 @@ from typing import Any
 
 from kvrag_integrations.bench import (
     attention,
+    cluster,
     cold,
     decode,
     match,
@@ -75,6 +78,7 @@ SUITES: dict[str, ModuleType] = {
     "memory": memory,
     "cold": cold,
     "stores": stores,
+    "cluster": cluster,
     "vllm": vllm_serving,
     "openai": openai_clients,
     "match": match,
@@ -83,7 +87,9 @@ SUITES: dict[str, ModuleType] = {
 MODEL_FREE = {"match"}
 # What ``all`` runs on one model: every suite but those that need more than the
 # package (vLLM) and those that need no model.
-ALL = [name for name in SUITES if name not in ("vllm", "openai") and name not in MODEL_FREE]
+ALL = [
+    name for name in SUITES if name not in ("vllm", "openai", "cluster") and name not in MODEL_FREE
+]
 
 
 def _ints(text: str) -> list[int]:

@@ -205,7 +205,9 @@ def _same_file(fd: int, path: Path) -> bool:
 class RedisIndexLog(IndexLog):
     """The Redis list ``f"{prefix}index"`` (one record per item, RPUSH): the same
     server, db and prefix as the ``RedisKVStore`` it sits beside (its ``keys``
-    lists only 64-hex names, so the list is never taken for an entry). A reader
+    lists only 64-hex names, so the list is never taken for an entry). On a
+    Redis Cluster it is ``f"{prefix}{{index}}"``: the hash tag keeps the list,
+    its generation and its lock in one slot (they share transactions). A reader
     keeps a list index and the list's generation (``f"{prefix}index:gen"``, one
     more at each compaction), both read in one transaction with each read:
     ``read_new`` is one round trip when nothing was appended.
@@ -218,7 +220,10 @@ class RedisIndexLog(IndexLog):
     """
 
     def __init__(self, client: Any, prefix: str = "kvrag:", *, owner: Any = None) -> None:
-        self.client, self.key, self._owner = client, f"{prefix}index", owner
+        from kvrag_integrations.store.redis_client import is_cluster, slot_key
+
+        self.key = slot_key(prefix, "index", cluster=is_cluster(client))
+        self.client, self._owner = client, owner
         self._gen_key, self._lock_key = f"{self.key}:gen", f"{self.key}:compacting"
         self._next = 0
         self._gen: bytes | None = None

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvrag_integrations.store.base import EntryInfo, KVStore
 from kvrag_integrations.store.quotas import UNREADABLE, Quotas, select_for_budget
+from kvrag_integrations.store.shards import Shards
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +203,11 @@ class StoreBudget:
     that a write cannot fit even with every entry it may evict gone, it is
     refused without a listing. Writers in other
     processes are seen at the next measurement: the budget holds per writer,
-    and across writers up to what they write in between.
+    and across writers up to what they write in between. On Redis each primary
+    (one server, or each of a cluster's) is kept within its own bounds as well
+    (``store.shards``: its share of the budget, and its ``maxmemory`` with all
+    else it holds): a write whose primary is full evicts there first, or is
+    refused.
 
     Args:
         store: the store to keep in bounds.
@@ -244,6 +249,7 @@ class StoreBudget:
         self.clock = clock
         self.evicted = 0
         self.refused = 0
+        self.shards = Shards.of(store, max_bytes)
         self._known: int | None = None
         self._measured_at = float("-inf")  # by ``clock``
         self._groups: dict[str, int] = {}
@@ -252,22 +258,30 @@ class StoreBudget:
         self._next_idle = float("-inf")  # when the next one turns idle (unix time)
         self._lock = threading.Lock()
 
-    def admit(self, nbytes: int, fingerprint: str | None = "") -> bool:
+    def admit(self, nbytes: int, fingerprint: str | None = "", key: str | None = None) -> bool:
         """Make room for a write of ``nbytes`` by the entry of ``fingerprint`` (its
-        group is charged); False: refused (larger than its quota, or no room
-        without evicting a group within its quota)."""
+        group is charged) under cache key ``key`` (on Redis, its primary must hold
+        it too); False: refused (larger than its quota, no room without evicting
+        a group within its quota, or its primary full)."""
         group = self.quotas.group(fingerprint)
         pool = self.quotas.pool(group)
         if nbytes > self.quotas.limit(group, self.max_bytes):
             self.refused += 1
             return False
+        sharded = self.shards is not None and key is not None
         with self._lock:
-            if self._near(group, pool, nbytes) and not self._make_room(group, nbytes):
+            shard_full = sharded and not self.shards.fits(key, nbytes)
+            if (shard_full and self.shards.refused_lately(key)) or (
+                (shard_full or self._near(group, pool, nbytes))
+                and not self._make_room(group, nbytes, key if sharded else None)
+            ):
                 self.refused += 1
                 return False
             assert self._known is not None
             self._known += nbytes
             self._charge(group, nbytes)
+            if sharded:
+                self.shards.add(key, nbytes)
             return True
 
     def _near(self, group: str, pool: str | None, nbytes: int) -> bool:
@@ -332,9 +346,10 @@ class StoreBudget:
             else:
                 self._next_idle = min(self._next_idle, idle_at)
 
-    def _make_room(self, group: str, nbytes: int) -> bool:
+    def _make_room(self, group: str, nbytes: int, key: str | None = None) -> bool:
         """Measure the store; evict what the bounds need (and compact the index log).
-        False: the write does not fit (refused)."""
+        False: the write does not fit (refused), or the primary of ``key`` cannot
+        hold it."""
         if self._surely_refused(group, nbytes):
             return False
         live = self.store.temp_files()
@@ -349,7 +364,21 @@ class StoreBudget:
             reserved_bytes=reserved,
             low_water=self.low_water,
         )
-        chosen = selection.evict
+        chosen = list(selection.evict)
+        room = selection.admitted
+        if self.shards is not None:
+            by_shard = self.shards.measure(entries, {info.key for info in chosen})
+            if key is not None and room:
+                there = self.shards.select(
+                    by_shard,
+                    key,
+                    nbytes,
+                    writing=group,
+                    quotas=self.quotas,
+                    low_water=self.low_water,
+                )
+                room = there is not None
+                chosen += there or []
         for info in chosen:
             self.store.delete(info.key)
         self.evicted += len(chosen)
@@ -359,7 +388,7 @@ class StoreBudget:
             self._compact_log({info.key for info in kept})
             reserved = sum(t.nbytes for t in live) + self._log_bytes()
         self._measured(kept, reserved)
-        return selection.admitted
+        return room
 
     def _log_bytes(self) -> int:
         if self.index_log is None:

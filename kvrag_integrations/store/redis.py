@@ -16,11 +16,16 @@ from kvrag_integrations.errors import CacheEntryError, StoreWriteError
 from kvrag_integrations.store.base import EntryInfo
 from kvrag_integrations.store.codec import header_length, read_metadata
 from kvrag_integrations.store.encoded import EncodedKVStore
+from kvrag_integrations.store.redis_client import (
+    check_prefix,
+    down_errors,
+    is_cluster,
+    open_client,
+    slot_key,
+)
 
 try:  # the optional ``redis`` extra: the package imports without it
     import redis as redis_lib
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
 except ImportError:  # pragma: no cover - exercised only where redis is not installed
     redis_lib = None
 
@@ -44,8 +49,12 @@ class RedisKVStore(EncodedKVStore):
     """Entries live in Redis under ``prefix + key``, as ``store.codec`` bytes.
 
     Shared by every worker that points at the same server, so a chunk encoded by
-    one is reused by all. Values are checked exactly as on disk (checksum,
-    fingerprint, key); keys are 64-hex hashes only, never user text. An entry
+    one is reused by all. On a Redis Cluster (a ``redis+cluster://`` URL, or a
+    ``redis.cluster.RedisCluster`` client) the key is ``prefix + "{" + key + "}"``:
+    the hash tag keeps an entry, its parts and their transaction in one slot,
+    and entries spread over the primaries by it. Values are checked exactly as
+    on disk (checksum, fingerprint, key); keys are 64-hex hashes only, never
+    user text. An entry
     larger than ``max_value_bytes`` is split: its parts are written first (under
     ``prefix + key + ":part:<sha256[:16]>:<i>"``), then a small manifest under the
     entry's key recording the part count, sizes and the sha256 of the whole; a
@@ -61,12 +70,18 @@ class RedisKVStore(EncodedKVStore):
     A dead or unreachable server never hangs a request (1 s socket timeouts, one
     retry): ``get`` is then a miss and ``contains`` is False, ``put`` raises
     ``StoreWriteError`` (``keys``, ``delete`` and ``len`` raise redis' own
-    errors). The client reconnects by itself once the server is back.
+    errors). The client reconnects by itself once the server is back. On a
+    cluster the same holds per node: a primary that fails, is slow, or moves
+    slots makes its entries misses (never damaged entries) until redis-py's
+    slot map follows the failover or the migration.
 
     Args:
-        url: the server, ``redis://host:port/db`` (ignored when ``client`` is given).
-        client: a ready ``redis.Redis`` (``decode_responses=False``) to use instead.
-        prefix: put before every Redis key, e.g. one per deployment.
+        url: the server, ``redis://host:port/db``, or a cluster,
+            ``redis+cluster://host:port[,host:port...]`` (``store.redis_client``;
+            connected and checked at once). Ignored when ``client`` is given.
+        client: a ready ``redis.Redis`` or ``RedisCluster`` (``decode_responses=False``).
+        prefix: put before every Redis key, e.g. one per deployment (no braces
+            on a cluster).
         ttl_s: seconds an entry lives after it is written, or ``None`` for ever.
         max_value_bytes: the largest single Redis value; bigger entries are split.
         socket_timeout: seconds to wait on the server (connect and each read/write).
@@ -112,23 +127,27 @@ class RedisKVStore(EncodedKVStore):
         self.ttl_s = ttl_s
         self.max_value_bytes = int(max_value_bytes)
         self._owns_client = client is None
-        if client is None:
-            # One quick retry covers a pooled connection the server dropped (restart);
-            # more, with backoff (redis-py's default), would stall requests for seconds.
-            client = redis_lib.Redis.from_url(
-                url,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=socket_timeout,
-                retry=Retry(NoBackoff(), 1),
-            )
+        client = open_client(url, socket_timeout) if client is None else client
         self.client = client
-        self._down = (redis_lib.ConnectionError, redis_lib.TimeoutError)
+        self.cluster = is_cluster(client)
+        check_prefix(prefix, cluster=self.cluster)
+        self._down = down_errors()
 
     # ------------------------------------------------------------- keys
     def _rkey(self, key: str) -> str:
         if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
             raise ValueError(f"invalid cache key {key!r}: expected 64 lowercase hex characters")
-        return self.prefix + key
+        return slot_key(self.prefix, key, cluster=self.cluster)
+
+    def _entry_key(self, name: str) -> str | None:
+        """The cache key a Redis key under ``prefix`` holds an entry of (None: a part,
+        the index log, or someone else's key)."""
+        name = name[len(self.prefix) :]
+        if self.cluster:
+            if not (name.startswith("{") and name.endswith("}")):
+                return None
+            name = name[1:-1]
+        return name if _KEY_RE.fullmatch(name) else None
 
     def _part_keys(self, rkey: str, digest: str, count: int) -> list[str]:
         return [f"{rkey}:part:{digest[:16]}:{i}" for i in range(count)]
@@ -228,7 +247,7 @@ class RedisKVStore(EncodedKVStore):
 
         try:
             self.client.transaction(write, rkey)
-        except redis_lib.RedisError as exc:
+        except (redis_lib.RedisError, *self._down) as exc:  # a cluster's are not all RedisError
             raise StoreWriteError(f"cannot write cache entry {key[:16]} to redis: {exc}") from exc
 
     def _queue_write(self, pipe: Any, rkey: str, blob: bytes) -> None:
@@ -270,11 +289,10 @@ class RedisKVStore(EncodedKVStore):
     def keys(self) -> Iterator[str]:
         """Iterate over the entry keys under ``prefix`` (SCAN: no server stall)."""
         pattern = _GLOB_SPECIAL.sub(r"\\\1", self.prefix) + "*"
-        start = len(self.prefix)
-        for raw in self.client.scan_iter(match=pattern, count=1000):
-            name = raw.decode() if isinstance(raw, bytes) else raw
-            if _KEY_RE.fullmatch(name[start:]):  # skips parts and foreign keys
-                yield name[start:]
+        for raw in self.client.scan_iter(match=pattern, count=1000):  # (every primary's)
+            key = self._entry_key(raw.decode() if isinstance(raw, bytes) else raw)
+            if key is not None:  # skips parts and foreign keys
+                yield key
 
     def entries(self) -> Iterator[EntryInfo]:
         """Describe each entry from its length, idle time and header (tensors are not read).
@@ -288,7 +306,7 @@ class RedisKVStore(EncodedKVStore):
             batch = keys[start : start + 256]
             with self.client.pipeline(transaction=False) as pipe:
                 for key in batch:
-                    rkey = self.prefix + key
+                    rkey = self._rkey(key)
                     pipe.strlen(rkey)
                     pipe.getrange(rkey, 0, _MANIFEST_PEEK - 1)
                     pipe.object("idletime", rkey)
@@ -299,7 +317,7 @@ class RedisKVStore(EncodedKVStore):
                 if not head:  # deleted meanwhile
                     continue
                 updated = now - idle if isinstance(idle, int) else None
-                size, fingerprint = self._describe(self.prefix + key, head, int(size or 0))
+                size, fingerprint = self._describe(self._rkey(key), head, int(size or 0))
                 yield EntryInfo(key, size, updated, fingerprint)
 
     def _describe(self, rkey: str, head: bytes, size: int) -> tuple[int, str | None]:
@@ -315,6 +333,13 @@ class RedisKVStore(EncodedKVStore):
             return size, read_metadata(head)["fingerprint"]
         except CacheEntryError:
             return size, None
+
+    def shard_of(self, key: str) -> str:
+        """The primary (``host:port``) whose slot holds ``key`` now, by the client's
+        slot map (no round trip); ``""`` on a single server."""
+        if not self.cluster:
+            return ""
+        return str(self.client.get_node_from_key(self._rkey(key)).name)
 
     def ttl(self, key: str) -> float | None:
         """Seconds left before the entry under ``key`` expires (``None``: no TTL or absent)."""

@@ -1,4 +1,5 @@
-"""Open a store from a one-string URL: ``disk:DIR``, ``redis://host:port/db`` or ``memory``."""
+"""Open a store from a one-string URL: ``disk:DIR``, ``redis://host:port/db``,
+``redis+cluster://host:port[,host:port...]`` or ``memory``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from kvrag_integrations.store.base import KVStore
 from kvrag_integrations.store.disk import DiskKVStore
 from kvrag_integrations.store.memory import MemoryKVStore
 from kvrag_integrations.store.redis import RedisKVStore
+from kvrag_integrations.store.redis_client import CLUSTER_SCHEMES
 
-STORE_URL_FORMS = "disk:DIR, redis://host:port/db, rediss://... or memory"
+STORE_URL_FORMS = (
+    "disk:DIR, redis://host:port/db, rediss://..., redis+cluster://host:port[,host:port...], "
+    "rediss+cluster://... or memory"
+)
+_REDIS_SCHEMES = ("redis://", "rediss://", *(f"{scheme}://" for scheme in CLUSTER_SCHEMES))
 
 
 def open_store(url: str) -> KVStore:
@@ -18,14 +24,19 @@ def open_store(url: str) -> KVStore:
 
     Args:
         url: ``disk:DIR`` (a ``DiskKVStore`` at ``DIR``), ``redis://host:port/db``
-            or ``rediss://...`` (a ``RedisKVStore``; needs the ``redis`` extra) or
-            ``memory`` (a ``MemoryKVStore``: gone when the process ends).
+            or ``rediss://...`` (a ``RedisKVStore``; needs the ``redis`` extra),
+            ``redis+cluster://host:port[,host:port...]`` or ``rediss+cluster://...``
+            (a ``RedisKVStore`` on a Redis Cluster, by any of its nodes; the same
+            options as ``redis://``) or ``memory`` (a ``MemoryKVStore``: gone
+            when the process ends).
 
     Returns:
-        The store; nothing is written or connected to until it is used.
+        The store; nothing is written to until it is used, and nothing connected
+        to but a cluster (whose slot map is read and checked here).
 
     Raises:
-        StoreURLError: the URL has another form, or ``disk:`` has no directory.
+        StoreURLError: the URL has another form, ``disk:`` has no directory, or
+            the cluster a URL names is down, incomplete or not one cluster.
 
     Examples:
         >>> open_store("disk:./kv").root.as_posix()
@@ -36,7 +47,8 @@ def open_store(url: str) -> KVStore:
         Traceback (most recent call last):
         ...
         kvrag_integrations.errors.StoreURLError: unknown store URL 's3://bucket'; \
-expected disk:DIR, redis://host:port/db, rediss://... or memory
+expected disk:DIR, redis://host:port/db, rediss://..., redis+cluster://host:port[,host:port...], \
+rediss+cluster://... or memory
     """
     if not isinstance(url, str):
         raise StoreURLError(f"a store URL must be a string, got {type(url).__name__}")
@@ -50,12 +62,12 @@ expected disk:DIR, redis://host:port/db, rediss://... or memory
         if not root:
             raise StoreURLError(f"store URL {url!r} names no directory; expected disk:DIR")
         return DiskKVStore(root)
-    if text.startswith(("redis://", "rediss://")):
+    if text.lower().startswith(_REDIS_SCHEMES):
         try:
             return RedisKVStore(text)
-        except ValueError as exc:  # redis-py's own URL parsing
+        except ValueError as exc:  # redis-py's own URL parsing, or the cluster's checks
             raise StoreURLError(
-                f"bad redis URL {redact_url(url)!r}: {redact_url(str(exc))}"
+                f"redis store {redact_url(url)!r}: {redact_url(str(exc))}"
             ) from None
     raise StoreURLError(f"unknown store URL {redact_url(url)!r}; expected {STORE_URL_FORMS}")
 

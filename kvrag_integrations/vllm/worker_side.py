@@ -311,7 +311,7 @@ class WorkerSide:
             kv = kv.stored_as(self.precision)
             with self._lock:  # the budget's accounting: one writer at a time
                 admitted = self.budget is None or self.budget.admit(
-                    _entry_bytes(kv), kv.fingerprint
+                    _entry_bytes(kv), kv.fingerprint, kv.key
                 )
                 if not admitted:
                     logger.warning("request %s: entry larger than its quota", request_id)

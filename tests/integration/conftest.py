@@ -6,9 +6,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from redis_cluster_helpers import PASSWORD, cluster_binaries
 from redis_helpers import RedisServer, find_redis_server
 
 from kvrag_integrations import KVRAGEngine, RedisKVStore
+from kvrag_integrations.bench.redis_cluster import LocalRedisCluster
 
 
 @pytest.fixture(scope="session")
@@ -50,5 +52,27 @@ def redis_prefix(request: pytest.FixtureRequest) -> str:
 def redis_store(redis_server: RedisServer, redis_prefix: str) -> Iterator[RedisKVStore]:
     """A RedisKVStore on ``redis_server`` under ``redis_prefix``."""
     store = RedisKVStore(redis_server.url, prefix=redis_prefix)
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A Redis Cluster for the run: 3 primaries, 3 replicas, a password, no
+    persistence; skips where redis-server or redis-cli is missing."""
+    pytest.importorskip("redis", reason="the redis client is missing: pip install -e '.[test]'")
+    if (missing := cluster_binaries()) is not None:
+        pytest.skip(missing)
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), password=PASSWORD)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture()
+def cluster_store(redis_cluster: LocalRedisCluster, redis_prefix: str) -> Iterator[RedisKVStore]:
+    """A RedisKVStore on ``redis_cluster`` (by its URL) under ``redis_prefix``."""
+    store = RedisKVStore(redis_cluster.url, prefix=redis_prefix)
     yield store
     store.close()

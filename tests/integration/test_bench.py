@@ -247,3 +247,19 @@ def test_gpu_preset_with_dummy_weights_from_the_command_line(tmp_path: Path) -> 
     assert payload["strategies"] == ["full", "turbo", "turbo(store=tiered)", "blend@0.15"]
     assert [p["n_chunks"] for p in payload["chunks"]] == [2, 4]
     assert "--dummy-weights" in payload["command"]
+
+
+def test_the_cluster_suite_measures_one_server_and_clusters_of_1_and_3_primaries(
+    engine, tmp_path: Path
+) -> None:
+    """Run by name (not in ``all``): it starts its own Redis servers and clusters."""
+    pytest.importorskip("redis", reason="pip install -e '.[test]'")
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli not found (apt-get install redis-server)")
+    main(["cluster", "--quick", "--no-plots", "--out", str(tmp_path)])
+    payload = _strict((tmp_path / "cluster.json").read_text())
+    rows = {row["topology"]: row for row in payload["results"]}
+    assert set(rows) == {"one server", "1P+0R", "3P+3R"}
+    for row in rows.values():
+        assert row["load_mib_s"] > 0 and row["turbo_ttft_ms"] > 0
+        assert row["oom_errors"] == 0 and row["most_used_share"] <= 1  # the budget held

@@ -62,8 +62,11 @@ def connect() -> Iterator[Callable[..., VLLMEngine]]:
 
 
 @pytest.fixture(scope="session")
-def redis_servers_store(redis_server) -> str:  # type: ignore[no-untyped-def]
-    return redis_server.url
+def redis_servers_store(redis_cluster) -> str:  # type: ignore[no-untyped-def]
+    """The replicas' store: the run's Redis Cluster (3 primaries, 3 replicas), by
+    its ``redis+cluster://`` URL. One node's Redis under a server stays covered by
+    test_vllm_growth.py; the store on one node by tests/integration/test_store_redis.py."""
+    return redis_cluster.url
 
 
 # API keys of the replicas: a tenant each, and no anonymous writes.
@@ -80,7 +83,7 @@ SERVER_KEYS = {
 def vllm_servers(
     redis_servers_store: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[VLLMServer]]:
-    """Two vLLM OpenAI servers with the connector sharing one Redis store (replicas)
+    """Two vLLM OpenAI servers with the connector sharing one Redis Cluster store (replicas)
     and one key file (each with a secret of its own, as replicas started apart)."""
     workdir = tmp_path_factory.mktemp("vllm-servers")
     keys = workdir / "keys.json"

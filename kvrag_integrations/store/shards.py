@@ -1,0 +1,162 @@
+"""Each Redis primary within its own bounds, as entries are written.
+
+A Redis Cluster spreads entries over its primaries by hash slot, so one
+primary can fill before the cluster does: it serves more slots, holds others'
+keys, or chance put more entries there. And any Redis, one server too, holds
+more than the store's entries: its own overhead, the index log, others' keys.
+Past its ``maxmemory`` a primary answers writes with Redis's OOM error (or,
+under an eviction policy, drops keys of its own choosing: parts of entries,
+the index log). ``maintenance.StoreBudget`` therefore keeps each primary (a
+shard; one server is one shard) within two bounds:
+
+- its share of the store's budget, for the store's entries: the budget split
+  in proportion to the primaries' capacities;
+- its capacity (``sizing.redis_capacities``: ``REDIS_FRACTION`` of its
+  ``maxmemory``), for all it holds (``used_memory``).
+
+Both are measured with a listing of the store (and ``INFO memory``), then
+counted forward from each write. A write that would take its shard past either
+evicts entries of that shard first, chosen by the store's own rule
+(``quotas.select_for_budget``) on the shard's entries, each weighed as the
+shard's share of the store (``max_bytes / share``), so a group's quota holds
+on each shard as on the whole: a tenant that fills one primary gives way there
+first. A write the shard cannot hold even then is refused (not stored).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvrag_integrations.store.base import EntryInfo
+from kvrag_integrations.store.quotas import Quotas, select_for_budget
+
+# A shard that could not make room is not measured again for this long: every
+# write to it would otherwise list the whole store.
+REMEASURE_S = 5.0
+
+
+@dataclass
+class Shard:
+    """One primary's bounds and what it holds, in bytes."""
+
+    share: int  # of the store's budget: for the store's entries
+    capacity: int  # for all it holds
+    other: int = 0  # held besides the store's entries: overhead, the index log, others' keys
+    entries: int = 0  # the store's entries on it
+    refused_at: float = float("-inf")  # when a write last found no room even after eviction
+
+    @property
+    def reserved(self) -> int:
+        """What counts against the share besides the entries: the part of ``other``
+        that does not fit in the capacity left over by the share."""
+        return max(0, self.other - max(0, self.capacity - self.share))
+
+    def fits(self, nbytes: int) -> bool:
+        return self.reserved + self.entries + nbytes <= self.share
+
+
+class Shards:
+    """The primaries of a Redis store, for a store budget of ``max_bytes``.
+
+    Examples:
+        >>> from kvrag_integrations.store.memory import MemoryKVStore
+        >>> Shards.of(MemoryKVStore(), 100) is None  # only Redis stores have primaries
+        True
+    """
+
+    def __init__(self, store: Any, max_bytes: int) -> None:
+        self.store, self.max_bytes = store, max_bytes
+        self.shards: dict[str, Shard] = {}
+
+    @classmethod
+    def of(cls, store: Any, max_bytes: int) -> Shards | None:
+        """The shards of ``store`` (a ``RedisKVStore``: one server or a cluster), else None."""
+        return cls(store, max_bytes) if callable(getattr(store, "shard_of", None)) else None
+
+    def fits(self, key: str, nbytes: int) -> bool:
+        """Whether the shard of ``key``, as last measured and counted, holds ``nbytes`` more."""
+        shard = self.shards.get(self.store.shard_of(key))
+        return shard is not None and shard.fits(nbytes)
+
+    def add(self, key: str, nbytes: int) -> None:
+        """Count a write of ``nbytes`` to the shard of ``key``."""
+        shard = self.shards.get(self.store.shard_of(key))
+        if shard is not None:
+            shard.entries += nbytes
+
+    def measure(
+        self, entries: Iterable[EntryInfo], gone: set[str] | frozenset[str] = frozenset()
+    ) -> dict[str, list[EntryInfo]]:
+        """Read each primary's memory and capacity; group ``entries`` (the store's
+        listing, less the keys ``gone``, being evicted) by shard and count them.
+        Returns the entries kept, by shard."""
+        from kvrag_integrations.store.redis_client import primaries_memory
+        from kvrag_integrations.store.sizing import redis_capacities
+
+        memory = primaries_memory(self.store.client)
+        capacities = {name: nbytes for name, (nbytes, _) in redis_capacities(self.store).items()}
+        total = sum(capacities.values()) or 1
+        by_shard: dict[str, list[EntryInfo]] = defaultdict(list)
+        leaving: dict[str, int] = defaultdict(int)
+        for info in entries:
+            name = self.store.shard_of(info.key)
+            if info.key in gone:
+                leaving[name] += info.nbytes
+            else:
+                by_shard[name].append(info)
+        before, self.shards = self.shards, {}
+        for name, capacity in capacities.items():
+            share = int(self.max_bytes * capacity / total)
+            ours = sum(info.nbytes for info in by_shard.get(name, []))
+            other = max(0, memory[name]["used_memory"] - ours - leaving[name])
+            refused = before[name].refused_at if name in before else float("-inf")
+            self.shards[name] = Shard(share, capacity, other, ours, refused)
+        return by_shard
+
+    def select(
+        self,
+        by_shard: dict[str, list[EntryInfo]],
+        key: str,
+        nbytes: int,
+        *,
+        writing: str,
+        quotas: Quotas,
+        low_water: float,
+    ) -> list[EntryInfo] | None:
+        """The entries of the shard of ``key`` to evict before a write of ``nbytes``
+        there (by group ``writing``), after ``measure``; None: even then it would not
+        fit (the write is refused, nothing of this shard evicted)."""
+        name = self.store.shard_of(key)
+        shard = self.shards.get(name)
+        if shard is None:  # a primary the listing did not see (a failover meanwhile)
+            return None
+        if shard.fits(nbytes):
+            return []
+        scale = self.max_bytes / max(1, shard.share)
+        weighed = {info.key: info for info in by_shard.get(name, [])}
+        chosen = select_for_budget(
+            [replace(info, nbytes=round(info.nbytes * scale)) for info in weighed.values()],
+            quotas,
+            self.max_bytes,
+            writing=writing,
+            nbytes=round(nbytes * scale),
+            reserved_bytes=round(shard.reserved * scale),
+            low_water=low_water,
+        ).evict
+        evicted = [weighed[info.key] for info in chosen]
+        freed = sum(info.nbytes for info in evicted)
+        shard.entries -= freed
+        if not shard.fits(nbytes):
+            shard.entries += freed
+            shard.refused_at = time.monotonic()
+            return None
+        return evicted
+
+    def refused_lately(self, key: str) -> bool:
+        """Whether the shard of ``key`` had no room for a write moments ago."""
+        shard = self.shards.get(self.store.shard_of(key))
+        return shard is not None and time.monotonic() - shard.refused_at < REMEASURE_S
