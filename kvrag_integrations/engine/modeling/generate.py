@@ -217,6 +217,7 @@ def decode(
         generator = torch.Generator().manual_seed(params.seed)
     processors = logits_processors(params)
     stops = set(eos_ids) | set(params.stop_token_ids)
+    held = torch.tensor(sorted(stops), dtype=torch.long)  # masked before min_new_tokens
     scanner = _StopScanner(params.stop)
     criteria = stop_string_criteria(tokenizer, params.stop)
     detok = TextDecoder(tokenizer)
@@ -229,6 +230,8 @@ def decode(
     for step in range(params.max_new_tokens):
         if constraint is not None:
             logits = constraint.mask(logits)
+        if step < params.min_new_tokens and held.numel():
+            logits = logits.index_fill(-1, held.to(logits.device), float("-inf"))
         token = choose_token(logits, params, generator, ids, processors)
         if step == 0:
             result.ttft_s = time.perf_counter() - started
