@@ -110,6 +110,7 @@ class Step:
         self.failed = False  # its last preparation raised
         self.tried = -1  # the request that last prepared it
 
+    @torch.no_grad()  # writes the bucket in place: never part of an autograd graph
     def forward(self) -> None:
         """The step of fixed shapes: what the graph holds."""
         bucket = self.bucket
@@ -210,6 +211,7 @@ class Bucket:
         """Per layer ``[kv_heads, tokens, head_dim]`` views of slots ``0 .. tokens-1``."""
         return [k[0, :, :tokens] for k in self.keys], [v[0, :, :tokens] for v in self.values]
 
+    @torch.no_grad()
     def fill(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Copy a prompt's K/V (per layer ``[kv_heads, n, head_dim]``) into slots
         ``0..n-1``: for a prompt cache not laid out in the bucket."""

@@ -149,8 +149,8 @@ class StaticDecoder:
             elsewhere). A bucket larger than that alone is still made.
         graphs: capture CUDA graphs on CUDA (False: the static steps run eagerly).
         tails: row counts of the prompt-tail steps (``()``: tails run eagerly).
-        max_capture_failures: failed captures in a row after which steps run
-            eagerly for good (named in the log).
+        max_capture_failures: requests in a row with a failed capture after which
+            steps run eagerly for good (named in the log).
     """
 
     def __init__(
@@ -177,7 +177,8 @@ class StaticDecoder:
         self.last: str | None = None  # how the last request decoded (benchmarks report it)
         self.store = BucketStore(layout, max_bytes, self.stats)
         self._pool: Any = None
-        self._failures = 0  # failed captures in a row
+        self._failures = 0  # requests in a row whose capture failed
+        self._failed_in = -1  # the last of them
         self._no_graphs: str | None = None  # why steps run eagerly for good
         self._captured: set[str] = set()
         self._named: set[str] = set()
@@ -332,7 +333,8 @@ class StaticDecoder:
             self.failed(f"capture of {key}", exc, capture=True)
             return
         if graphs or step.bucket.device.type != "cuda":  # elsewhere a capture is its warm-up
-            self._failures = 0
+            if self._failed_in != self._request:
+                self._failures = 0
             self.stats["captures"] += 1
             if key in self._captured:
                 self.stats["recaptures"] += 1
@@ -354,7 +356,9 @@ class StaticDecoder:
             self.store.release(idle_only=True)
         elif capture:
             self.stats["capture_failures"] += 1
-            self._failures += 1
+            if self._failed_in != self._request:  # requests with a failed capture, in a row
+                self._failed_in = self._request
+                self._failures += 1
             if self._failures >= self.max_capture_failures and self._no_graphs is None:
                 self._no_graphs = f"{self._failures} captures failed in a row"
                 self._name(f"steps run eagerly from now on: {self._no_graphs}")
