@@ -6,9 +6,11 @@ size (CUDA-only figures are None)."""
 from __future__ import annotations
 
 import gc
+import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -92,6 +94,44 @@ def _minus(a: dict[str, Any], b: dict[str, Any], over: int) -> dict[str, Any]:
         for k in keys
     }
     return out
+
+
+@contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """Within the block, these environment variables (restored after, whatever happens)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@torch.no_grad()
+def lower_right_step(engine: KVRAGEngine, question: str, chunks: list[str]) -> dict[str, Any]:
+    """One turbo prefill with the mask-free attention and with ``KVRAG_FAST_PATH=0``
+    (the additive mask, eager tail): the logits' difference and both times."""
+    engine.encode_chunks(chunks, show_progress=False)
+    logits, times = {}, {}
+    for switch in ("1", "0"):
+        with environ(KVRAG_FAST_PATH=switch):
+            runs = []
+            for _ in range(6):
+                _sync()
+                started = time.perf_counter()
+                pre = engine.prefill(question=question, chunks=chunks, strategy="turbo")
+                _sync()
+                runs.append(time.perf_counter() - started)
+        logits[switch], times[switch] = pre.logits.float().cpu(), sorted(runs[1:])[2]
+    return {"prompt_tokens": int(pre.prompt.num_tokens),
+            "max_abs_logit_diff": (logits["1"] - logits["0"]).abs().max().item(),
+            "same_top_token": bool(logits["1"].argmax() == logits["0"].argmax()),
+            "turbo_prefill_ms_mask_free": times["1"] * 1000,
+            "turbo_prefill_ms_additive_mask": times["0"] * 1000}  # fmt: skip
 
 
 @torch.no_grad()

@@ -59,7 +59,7 @@ QUICK_PRESET = {
         "chunk_tokens": 16,
         "items": 2,
         "filled": [32, 96, 500],
-        "filled_steps": 4,
+        "filled_repeats": 4,
     },
 }
 

@@ -229,6 +229,8 @@ def decode(
     processors = logits_processors(params)
     stops = set(eos_ids) | set(params.stop_token_ids)
     held = torch.tensor(sorted(stops), dtype=torch.long)  # masked before min_new_tokens
+    if params.min_new_tokens and held.numel():
+        held = held.to(first_logits.device)
     scanner = _StopScanner(params.stop)
     criteria = stop_string_criteria(tokenizer, params.stop)
     detok = TextDecoder(tokenizer)
@@ -242,7 +244,7 @@ def decode(
         if constraint is not None:
             logits = constraint.mask(logits)
         if step < params.min_new_tokens and held.numel():
-            logits = logits.index_fill(-1, held.to(logits.device), float("-inf"))
+            logits = logits.index_fill(-1, held, float("-inf"))
         token = choose_token(logits, params, generator, ids, processors)
         if step == 0:
             result.ttft_s = time.perf_counter() - started

@@ -20,6 +20,8 @@ once per tile and multiplied as a matrix (``tl.dot``), not once per query head.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -159,13 +161,19 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
     )
 
 
+@functools.cache
+def _units(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (4 for the interpreter on CPU)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _splits(programs: int, length: int, device: torch.device) -> int:
     """How many parts the filled length is cut into: enough programs for about
     two per multiprocessor, a power of two, at most one per ``_BLOCK_N`` keys of
     the bucket. Fixed per shape (a graph's launch is fixed)."""
-    units = torch.cuda.get_device_properties(device).multi_processor_count if (
-        device.type == "cuda"
-    ) else 4  # fmt: skip
+    units = _units(device)
     want = max(1, -(-2 * units // programs))
     cap = max(1, min(_MAX_SPLITS, length // _BLOCK_N))
     return min(triton.next_power_of_2(want), triton.next_power_of_2(cap + 1) // 2)
