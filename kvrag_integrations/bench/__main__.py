@@ -151,6 +151,12 @@ def parser() -> argparse.ArgumentParser:
         help="vllm: the parts to run (ttft, throughput, agreement, frameworks, prefix-hit)",
     )
     p.add_argument(
+        "--filled",
+        type=_ints,
+        default=None,
+        help="decode: also time one step at these filled lengths inside one bucket",
+    )
+    p.add_argument(
         "--static-on-cpu",
         action="store_true",
         help="decode: time the static decode on CPU too (opt-in there; CUDA takes it by default)",
@@ -184,6 +190,7 @@ def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any
         "vllm": True if args.vllm else None,
         "parts": args.parts,
         "static_on_cpu": True if getattr(args, "static_on_cpu", False) else None,
+        "filled": getattr(args, "filled", None),
     }
     if args.ratios is not None:
         given["strategies"] = [("full", {}), ("turbo", {})]

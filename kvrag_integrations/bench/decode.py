@@ -5,8 +5,16 @@ decode, ``engine/modeling/static_decode.py``, where it takes the model and
 device: CUDA graphs per bucket on CUDA), the engine with the static decode off
 (eager ``DynamicCache`` steps, as before issue 46), and HF's ``generate``. The
 engine's column says how it decoded (``static, bucket N, CUDA graph`` or
-``eager: why``) and the first capture's seconds per bucket. On CPU the static
-decode is opt-in (``--static-on-cpu`` times it there).
+``eager: why``), each step's last capture in seconds (``8192``: the decode step
+of the 8k bucket, ``8192/tail 32``: a prompt tail's) and the decoder's counts
+(captures, recaptures, failures, released buckets). On CPU the static decode
+is opt-in (``--static-on-cpu`` times it there).
+
+``--filled`` times the decode step alone at several filled lengths inside one
+bucket (the smallest holding the longest): ms per step, replayed on CUDA, with
+the attention the engine runs (the split-KV kernel where Triton is) and with
+masked SDPA over the whole bucket. The kernel's column grows with the filled
+length; SDPA's with the bucket.
 
 For each prompt length (chunks of ``chunk_tokens`` tokens after the chat
 template, a question after them), ms per decoded token is
@@ -28,6 +36,7 @@ Examples:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -35,14 +44,24 @@ from typing import Any
 import torch
 
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, sync, timed
+from kvrag_integrations.engine.modeling import filled_attention
+from kvrag_integrations.engine.modeling.static_buckets import Step
 
 QUICK = {"lengths": [48, 96], "chunk_tokens": 16, "max_new_tokens": 5, "repeats": 1, "items": 2}
 PRESETS: dict[str, Any] = {"gpu": None}  # sizes only (PRESET_OPTIONS)
 PRESET_OPTIONS = {
     "gpu": {"lengths": [4096, 16384], "chunk_tokens": 256, "max_new_tokens": 65,
-            "repeats": 3, "items": 20},
+            "repeats": 3, "items": 20, "filled": [4096, 16384, 31744]},
 }  # fmt: skip
-QUICK_PRESET = {"gpu": {"lengths": [48, 96], "chunk_tokens": 16, "items": 2}}
+QUICK_PRESET = {
+    "gpu": {
+        "lengths": [48, 96],
+        "chunk_tokens": 16,
+        "items": 2,
+        "filled": [32, 96, 500],
+        "filled_repeats": 4,
+    },
+}
 
 
 def _per_token_ms(t1: float, tn: float, generated: int) -> float:
@@ -76,7 +95,8 @@ def engine_decode(
     with static_devices(engine, devices) as decoder:
         point = _engine_decode(engine, question, chunks, new_tokens, repeats)
         point["path"] = decoder.last
-        point["capture_s"] = {str(k): round(v, 3) for k, v in decoder.capture_s.items()}
+        point["capture_s"] = {k: round(v, 3) for k, v in decoder.capture_s.items()}
+        point["stats"] = dict(decoder.stats)
     return point
 
 
@@ -86,8 +106,8 @@ def _engine_decode(
     engine.encode_chunks(chunks, show_progress=False)
     request = dict(question=question, chunks=chunks, strategy="turbo")
 
-    def answer(n: int) -> Any:
-        result = engine.generate(max_new_tokens=n, **request)
+    def answer(n: int) -> Any:  # min_new_tokens: random weights do not stop early
+        result = engine.generate(max_new_tokens=n, min_new_tokens=n, **request)
         sync(engine)
         return result
 
@@ -123,6 +143,50 @@ def hf_decode(engine: Any, ids: torch.Tensor, new_tokens: int, repeats: int) -> 
     return {"ms_per_token": _per_token_ms(t1, tn, generated), "generated": generated}
 
 
+@torch.no_grad()
+def filled_steps(
+    engine: Any, filled: list[int], steps: int = 32, static_on_cpu: bool = False
+) -> dict[str, Any]:
+    """ms per decode step at each of the ``filled`` lengths inside one bucket (the
+    smallest holding the longest): the step as the engine runs it, and the same
+    step with masked SDPA over the whole bucket (each a graph on CUDA)."""
+    devices = ("cpu", "cuda") if static_on_cpu else None
+    lm = engine.model
+    with engine.exclusive(), static_devices(engine, devices) as decoder:
+        length = decoder.length(lm, max(filled) + 1)
+        why = decoder.refusal(lm, engine.device, max(filled), 1)
+        if why is not None or length is None:
+            return {"refused": why or f"past the largest bucket ({decoder.buckets[-1]})"}
+        bucket = decoder.store.take(lm, engine.loaded.dtype, engine.device, length)
+        if bucket is None:
+            return {"refused": "out of memory"}
+        columns: dict[str, list[float]] = {}
+        for backend in ("auto", "torch"):
+            before, filled_attention.BACKEND = filled_attention.BACKEND, backend
+            try:
+                step = Step(bucket, lm, 1)  # its own graph: the attention is captured in it
+                step.set_token(5, filled[0], filled[0])
+                decoder.ready(step)
+                columns[backend] = [_step_ms(engine, step, n, steps) for n in filled]
+            finally:
+                filled_attention.BACKEND = before
+    kernel = filled_attention.kernel_available(engine.device)
+    return {"bucket": length, "filled": list(filled), "steps": steps,
+            "engine_attention": "split-KV Triton kernel" if kernel else "masked SDPA",
+            "engine_ms": columns["auto"], "masked_sdpa_ms": columns["torch"]}  # fmt: skip
+
+
+def _step_ms(engine: Any, step: Step, filled: int, steps: int) -> float:
+    step.set_token(5, filled, filled)
+    step.run()  # a first replay at this length (not timed)
+    sync(engine)
+    started = time.perf_counter()
+    for _ in range(steps):
+        step.run()
+    sync(engine)
+    return (time.perf_counter() - started) / steps * 1000
+
+
 def run(
     engine: Any,
     items: list[RagItem],
@@ -133,6 +197,8 @@ def run(
     repeats: int = 3,
     hf: bool = True,
     static_on_cpu: bool = False,
+    filled: list[int] | None = None,
+    filled_repeats: int = 32,
 ) -> dict[str, Any]:
     """ms per decoded token at each prompt length, the engine's and HF's.
 
@@ -148,6 +214,8 @@ def run(
         hf: also time HF's ``generate`` on the same prompt.
         static_on_cpu: time the static decode on CPU too (else the engine's
             default: CUDA only, so on CPU the first column is eager as well).
+        filled: also time the decode step alone at these filled lengths inside
+            one bucket (``filled_steps``), ``filled_repeats`` replays each.
     """
     static = ("cpu", "cuda") if static_on_cpu else None
     question = items[0].question
@@ -171,8 +239,11 @@ def run(
             point["hf"] = hf_decode(engine, prompt.input_ids, max_new_tokens, repeats)
             point["engine_over_hf"] = point["engine"]["ms_per_token"] / point["hf"]["ms_per_token"]
         points.append(point)
-    return {"chunk_tokens": chunk_tokens, "max_new_tokens": max_new_tokens,
-            "repeats": repeats, "static_on_cpu": static_on_cpu, "points": points}  # fmt: skip
+    payload = {"chunk_tokens": chunk_tokens, "max_new_tokens": max_new_tokens,
+               "repeats": repeats, "static_on_cpu": static_on_cpu, "points": points}  # fmt: skip
+    if filled:
+        payload["filled"] = filled_steps(engine, filled, filled_repeats, static_on_cpu)
+    return payload
 
 
 def table(payload: dict[str, Any]) -> str:
@@ -193,6 +264,18 @@ def table(payload: dict[str, Any]) -> str:
             "-" if hf is None else f"{p['engine_over_hf']:.2f}x",
         ])  # fmt: skip
     headers = ["prompt tokens", "chunks", "engine TTFT (turbo, ms)", "engine ms/token",
-               "engine tokens", "engine decoded", "first capture (s, per bucket)",
+               "engine tokens", "engine decoded", "captures (s, per step)",
                "engine eager ms/token", "HF generate ms/token", "engine / HF"]  # fmt: skip
-    return markdown_table(headers, rows)
+    text = markdown_table(headers, rows)
+    steps = payload.get("filled") or {}
+    if "engine_ms" in steps:
+        text += (
+            f"\n\nOne decode step inside the {steps['bucket']}-slot bucket, by filled length "
+            f"(ms per step, {steps['steps']} replays):\n\n"
+        )
+        text += markdown_table(
+            ["filled slots", f"engine ({steps['engine_attention']})", "masked SDPA"],
+            [[n, round(a, 3), round(b, 3)]
+             for n, a, b in zip(steps["filled"], steps["engine_ms"], steps["masked_sdpa_ms"])],
+        )  # fmt: skip
+    return text

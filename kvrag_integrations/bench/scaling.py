@@ -7,7 +7,8 @@ fixed number of chunks. Full prefill grows super-linearly (attention over the
 whole prompt); turbo should stay near the **query-only floor**: the time to
 compute only the prompt's trailing text (the question and the chat template's
 end) through every layer over an already assembled cache, measured with the
-engine's own ``run_tokens`` on the full-prefill cache of the same prompt. What
+engine's own ``run_tokens`` on the full-prefill cache of the same prompt (in
+a static decode bucket where a request would use one: the tail's CUDA graph). What
 turbo adds over it is tokenization, store reads, cache assembly (key
 re-rotation) and the short separators between chunks.
 
@@ -82,20 +83,24 @@ def default_counts(engine: Any, question: str, pool: list[str]) -> list[int]:
 
 
 def floor_time(engine: Any, question: str, chunks: list[str], repeats: int) -> tuple[float, int]:
-    """Median time to compute only the trailing text over the prompt's full cache.
+    """Median time to compute only the trailing text over the prompt's full cache,
+    as a request runs it: where the static decode takes the model, the cache is
+    laid out in a bucket and the tail runs as its step (a CUDA graph on CUDA).
 
     Returns ``(seconds, trailing tokens)``.
     """
-    pre = engine.prefill(question=question, chunks=chunks, strategy="full")
-    kv, tail = pre.output.kv, pre.prompt.pieces[-1]
-    total = kv.num_tokens
-    idx = torch.arange(total - tail.ids.numel(), total, device=kv.device)
+    tokens = _prompt_tokens(engine, question, chunks)
+    with engine.exclusive(), engine.loaded.decoder.reserve(engine.model, tokens, 1):
+        pre = engine.prefill(question=question, chunks=chunks, strategy="full")
+        kv, tail = pre.output.kv, pre.prompt.pieces[-1]
+        total = kv.num_tokens
+        idx = torch.arange(total - tail.ids.numel(), total, device=kv.device)
 
-    def tail_only() -> None:
-        run_tokens(engine.model, engine.loaded.layout, kv, idx)
-        sync(engine)
+        def tail_only() -> None:
+            run_tokens(engine.model, engine.loaded.layout, kv, idx)
+            sync(engine)
 
-    seconds, _ = timed(tail_only, repeats)
+        seconds, _ = timed(tail_only, repeats)
     return seconds, int(tail.ids.numel())
 
 

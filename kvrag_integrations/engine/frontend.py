@@ -217,6 +217,7 @@ class EngineFrontend(ABC):
             **kwargs: ``segments`` or ``messages`` (with ``known_chunks``) instead of
                 question/chunks, ``strategy`` ("full", "turbo" (default), "blend"),
                 ``system_prompt``, ``chat_template``, ``max_new_tokens`` (256),
+                ``min_new_tokens`` (0; end-of-answer ids are masked before),
                 ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``,
                 ``stop``, ``stop_token_ids``, ``on_miss``, ``logprobs`` (the first
                 token's top-k log-probabilities in ``first_token_logprobs``),

@@ -85,27 +85,33 @@ def answer(
                 result.finish_reason = "cancelled"
                 return
             try:
-                pre = prefill()
-                pre.fill(result)
-                if request.logprobs is not None:  # before decoding: a stream has them early
-                    result.first_token_logprobs = top_logprobs(pre.logits, request.logprobs)
-                yield from decode(
-                    engine.model,
-                    engine.tokenizer,
-                    pre.output.kv,
-                    pre.output.logits,
-                    request.sampling,
-                    result,
-                    request.started,
-                    engine.eos_token_ids,
-                    cancel,
-                    _constraint(engine, request),
-                    engine.loaded.decoder,
-                )
-                if request.logprobs is not None and result.token_ids:
-                    # The sampled token too, even outside the top k (as vLLM reports it).
-                    first = result.token_ids[:1]
-                    result.first_token_logprobs = top_logprobs(pre.logits, request.logprobs, first)
+                # The request's static decode bucket, reserved before the prefill: the
+                # strategy lays the prompt out in it, decoding starts there (no copy).
+                sizes = (request.prompt.num_tokens, request.sampling.max_new_tokens)
+                with engine.loaded.decoder.reserve(engine.model, *sizes):
+                    pre = prefill()
+                    pre.fill(result)
+                    if request.logprobs is not None:  # before decoding: a stream has them early
+                        result.first_token_logprobs = top_logprobs(pre.logits, request.logprobs)
+                    yield from decode(
+                        engine.model,
+                        engine.tokenizer,
+                        pre.output.kv,
+                        pre.output.logits,
+                        request.sampling,
+                        result,
+                        request.started,
+                        engine.eos_token_ids,
+                        cancel,
+                        _constraint(engine, request),
+                        engine.loaded.decoder,
+                    )
+                    if request.logprobs is not None and result.token_ids:
+                        # The sampled token too, even outside the top k (as vLLM reports it).
+                        first = result.token_ids[:1]
+                        result.first_token_logprobs = top_logprobs(
+                            pre.logits, request.logprobs, first
+                        )
             finally:
                 lock.release()
     finally:

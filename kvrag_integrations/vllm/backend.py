@@ -89,6 +89,7 @@ def sampling_args(params: SamplingParams, eos_token_ids: list[int]) -> dict[str,
     """
     return {
         "max_tokens": max(1, params.max_new_tokens),
+        "min_tokens": min(params.min_new_tokens, max(1, params.max_new_tokens)),
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k,  # 0: off, as ours

@@ -133,12 +133,16 @@ def test_decode_suite_preset_smoke_run_and_report(tiny_loaded: LoadedModel, tmp_
     for point in payload["points"]:
         assert point["prompt_tokens"] >= point["target_tokens"]
         assert point["hf"]["generated"] == options["max_new_tokens"]
-        assert 1 <= point["engine"]["generated"] <= options["max_new_tokens"]
+        assert point["engine"]["generated"] == options["max_new_tokens"]  # min_new_tokens
         assert isinstance(point["engine"]["ms_per_token"], float)  # (a smoke run times nothing)
         # the engine's column decoded statically (an eager step on CPU), the next eagerly
         assert point["engine"]["path"].startswith("static, bucket ")
         assert point["eager"]["path"].startswith("eager: device cpu")
         assert point["eager"]["generated"] == point["engine"]["generated"]
+    steps = payload["filled"]  # one step at three filled lengths inside one bucket
+    assert steps["filled"] == options["filled"] and steps["bucket"] > max(steps["filled"])
+    assert len(steps["engine_ms"]) == len(steps["masked_sdpa_ms"]) == 3
+    assert steps["engine_attention"] == "masked SDPA"  # no Triton kernel on CPU
     assert engine.loaded.decoder.devices == ("cuda",)  # the run's opt-in is undone
     named = parser().parse_args(
         ["decode", "--preset", "gpu", "--model", "llama-3.1-8b", "--dummy-weights"]
@@ -147,3 +151,4 @@ def test_decode_suite_preset_smoke_run_and_report(tiny_loaded: LoadedModel, tmp_
     text = gpu_section(decode, "decode", payload, tmp_path)
     assert text.startswith("## On a GPU: decoding at batch 1 after turbo, tiny-llama")
     assert "HF generate ms/token" in text and "engine eager ms/token" in text
+    assert "| filled slots | engine (masked SDPA) | masked SDPA |" in text

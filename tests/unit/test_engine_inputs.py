@@ -125,6 +125,8 @@ BAD_ARGS = [
     ({"stop": 3}, TypeError, "stop"),
     ({"stop_token_ids": ["x"]}, TypeError, "stop_token_ids"),
     ({"stop_token_ids": [-1]}, ValueError, "stop_token_ids"),
+    ({"min_new_tokens": -1}, ValueError, "min_new_tokens"),
+    ({"min_new_tokens": 1.5}, TypeError, "min_new_tokens"),
     ({"top_p": 0.0}, ValueError, "top_p"),
     ({"top_p": 1.5}, ValueError, "top_p"),
     ({"top_p": float("nan")}, ValueError, "top_p"),
@@ -167,6 +169,17 @@ def test_stop_none_means_no_stop_strings(engine: KVRAGEngine) -> None:
     kw = dict(question=QUESTION, chunks=[FACT], max_new_tokens=6)
     assert engine.generate(stop=None, stop_token_ids=None, **kw).text == engine.generate(**kw).text
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_min_new_tokens_masks_the_stop_tokens_until_reached(engine: KVRAGEngine) -> None:
+    """The first greedy token made a stop token: the answer ends at once, unless
+    ``min_new_tokens`` holds the stops back (then none of the first 3 is it)."""
+    kw = dict(question=QUESTION, chunks=[FACT], max_new_tokens=5)
+    first = engine.generate(**kw).token_ids[0]
+    stopped = engine.generate(stop_token_ids=[first], **kw)
+    assert stopped.token_ids == [] and stopped.finish_reason == "stop"
+    held = engine.generate(stop_token_ids=[first], min_new_tokens=3, **kw)
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
 
 
 # ---------------------------------------------------------------- streams

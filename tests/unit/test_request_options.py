@@ -27,6 +27,7 @@ SAMPLING_DEFAULTS = {
     "seed": None,
     "stop": (),
     "stop_token_ids": (),
+    "min_new_tokens": 0,
 }
 
 

@@ -3,9 +3,11 @@ static step's exactness against transformers' own generate and the eager
 DynamicCache steps, across the families of test_families.py it accepts, and
 the models and settings it refuses (eager, named in the log once).
 
-The CUDA graph capture and replay need a GPU (scripts/gpu_check_46.py); here
-the same step runs eagerly over the same static buffers (``devices=("cpu",)``)
-with tiny buckets, so prompts cross bucket boundaries in a few tokens.
+The CUDA graph capture and replay need a GPU (scripts/gpu_check_53.py); here
+the same steps run eagerly over the same static buffers (``devices=("cpu",)``;
+a "capture" is the warm-up) with tiny buckets, so prompts cross bucket
+boundaries in a few tokens. Attention over the filled slots runs its torch
+fallback here (tests/unit/test_filled_attention.py tests the Triton kernel).
 """
 
 from __future__ import annotations
@@ -20,12 +22,8 @@ from corpus import REEF, TOWER, TOWER_QUESTION
 from kvrag_integrations import KVRAGEngine, MemoryKVStore
 from kvrag_integrations.engine.modeling.generate import dynamic_steps
 from kvrag_integrations.engine.modeling.model import LoadedModel
-from kvrag_integrations.engine.modeling.static_decode import (
-    BUCKETS,
-    StaticDecoder,
-    _Bucket,
-    bucket_for,
-)
+from kvrag_integrations.engine.modeling.static_buckets import preparing
+from kvrag_integrations.engine.modeling.static_decode import BUCKETS, StaticDecoder, bucket_for
 from kvrag_integrations.engine.prompting.segments import Piece, TokenizedPrompt
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.strategies import FullPrefill, TurboRAG
@@ -103,7 +101,7 @@ def test_static_greedy_equals_transformers_generate_across_buckets(family: str) 
             pad_token_id=0,
         )[0, length:].tolist()
         assert got == hf
-    assert list(decoder._held) == [16, 32]  # both buckets held (keep=2)
+    assert list(decoder.store.held) == [16, 32]  # both buckets kept
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3-moe", "phi3"])
@@ -121,14 +119,27 @@ def test_static_steps_after_turbo_equal_the_eager_steps(family: str) -> None:
     assert max((a - b).abs().max().item() for a, b in zip(got_logits, eager_logits)) <= 1e-4
 
 
-def test_a_bucket_is_reused_and_the_least_recent_dropped() -> None:
+def test_buckets_are_kept_within_max_bytes_least_recent_released_first() -> None:
+    """Three sizes alternating: kept while they fit (no release, no recapture);
+    with room for two, the least recently used is released, and a step captured
+    again is counted, not hidden."""
     model = model_of("llama")
-    decoder = static(model, keep=2)
-    for length in (5, 20, 5, 40):  # buckets 16, 32, 16, 64
-        pre = full(model, ids(length, length))
-        steps = decoder.steps(model.model, pre.kv, 4)
-        greedy(steps, pre.kv, pre.logits, 4)
-    assert list(decoder._held) == [16, 64]
+    per_slot = 2 * 3 * 2 * 16 * 4  # layers, kv heads, head size, float32
+    roomy = static(model, max_bytes=per_slot * (16 + 32 + 64))
+    tight = static(model, max_bytes=per_slot * (32 + 64))
+    for decoder in (roomy, tight):
+        for length in (5, 20, 40, 5, 20, 40):  # buckets 16, 32, 64, 16, 32, 64
+            pre = full(model, ids(length, length))
+            greedy(decoder.steps(model.model, pre.kv, 4), pre.kv, pre.logits, 4)
+    assert list(roomy.store.held) == [16, 32, 64]
+    assert (roomy.stats["released"], roomy.stats["captures"], roomy.stats["recaptures"]) == (
+        0,
+        3,
+        0,
+    )
+    assert list(tight.store.held) == [32, 64]
+    assert tight.stats["released"] == 4 and tight.stats["recaptures"] == 3
+    assert tight.stats["captures"] == 6 and set(tight.capture_s) == {"16", "32", "64"}
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
@@ -149,11 +160,12 @@ def test_windowed_models_decode_eagerly_named_once(
 def test_what_it_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     model = model_of("llama")
     pre = full(model, ids(9, 1))
-    assert static(model).refusal(model.model, pre.kv, 4) is None
+    cpu = torch.device("cpu")
+    assert static(model).refusal(model.model, cpu, 9, 4) is None
     # past the largest bucket
-    assert "largest bucket" in static(model).refusal(model.model, pre.kv, 60)
+    assert "largest bucket" in static(model).refusal(model.model, cpu, 9, 60)
     # CPU is not a static device by default (CUDA only)
-    assert "device cpu" in StaticDecoder(model.layout).refusal(model.model, pre.kv, 4)
+    assert "device cpu" in StaticDecoder(model.layout).refusal(model.model, cpu, 9, 4)
     # the one switch
     monkeypatch.setenv("KVRAG_FAST_PATH", "0")
     assert static(model).steps(model.model, pre.kv, 4) is None
@@ -195,8 +207,15 @@ def test_the_engine_decodes_the_same_on_the_static_path(
     assert got.token_ids == want.token_ids and len(want.token_ids) > 1
     assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
     assert "".join(got_pieces) == got.text and got_pieces == want_pieces
-    assert got.first_token_logprobs == want.first_token_logprobs
-    assert fast.loaded.decoder._held  # it did decode statically
+    # the prompt's computed tokens ran as a tail step: the same up to rounding
+    got_top, want_top = got.first_token_logprobs or {}, want.first_token_logprobs or {}
+    assert got_top.keys() == want_top.keys()
+    assert all(abs(got_top[t] - p) <= 1e-5 for t, p in want_top.items())
+    assert fast.loaded.decoder.last.startswith("static")  # it did decode statically
+    held = fast.loaded.decoder.store.held
+    assert 1 in next(iter(held.values())).steps
+    if options["strategy"] == "turbo":  # the question's forward ran as a tail step
+        assert max(next(iter(held.values())).steps) > 1
 
 
 def test_stop_strings_cut_the_same_on_the_static_path(
@@ -212,29 +231,161 @@ def test_stop_strings_cut_the_same_on_the_static_path(
     assert "".join(got_pieces) == got.text
 
 
-def test_a_step_that_cannot_be_captured_decodes_eagerly_named_once(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+# -- one copy of the prompt's K/V: the strategy lays it out in the reserved bucket --
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "phi3"])
+def test_turbo_lays_the_prompt_out_in_the_bucket_and_its_tail_runs_there(family: str) -> None:
+    """Within a reservation turbo's buffer is the bucket's slots (no copy before
+    decoding), its question's forward runs as a tail step of 16 rows, and the
+    logits and greedy tokens equal the eager path's."""
+    model = model_of(family)
+    prompt = prompt_of(*THREE_CHUNKS)
+    kvs = chunk_kvs(model, prompt)
+    want = TurboRAG().prefill(model, prompt, kvs)
+    eager, _ = greedy(dynamic_steps(model.model, want.kv), want.kv, want.logits, 8)
+    decoder = model.decoder = static(model)
+    try:
+        with decoder.reserve(model.model, prompt.num_tokens, 8):
+            got = TurboRAG().prefill(model, prompt, kvs)
+            (bucket,) = decoder.store.held.values()
+            assert got.kv.home is decoder and decoder.holding(got.kv) is bucket
+            for layer in (0, -1):
+                assert got.kv.keys[layer].data_ptr() == bucket.keys[layer].data_ptr()
+            assert sorted(bucket.steps) == [16]  # 12 text tokens (3 pieces), padded to 16 rows
+            steps = decoder.steps(model.model, got.kv, 8)
+            assert steps is not None and steps.bucket is bucket and steps.filled  # no copy
+            tokens, _ = greedy(steps, got.kv, got.logits, 8)
+    finally:
+        model.decoder = StaticDecoder(model.layout)
+    assert (got.logits - want.logits).abs().max() <= 1e-4
+    for a, b in zip(got.kv.keys + got.kv.values, want.kv.keys + want.kv.values):
+        assert (a - b).abs().max() <= 1e-4
+    assert tokens == eager
+
+
+def test_full_prefill_writes_into_the_bucket_exactly() -> None:
+    """Full prefill within a reservation: the model's own forward, its K/V written
+    straight into the bucket, the same logits and K/V as transformers' cache."""
+    model = model_of("qwen2")
+    prompt = TokenizedPrompt([Piece(ids(30, 3), "text", "")])
+    want = FullPrefill().prefill(model, prompt, [])
+    decoder = model.decoder = static(model)
+    try:
+        with decoder.reserve(model.model, 30, 4):
+            got = FullPrefill().prefill(model, prompt, [])
+            assert decoder.holding(got.kv) is decoder.store.held[64]
+    finally:
+        model.decoder = StaticDecoder(model.layout)
+    assert torch.equal(got.logits, want.logits)
+    for a, b in zip(got.kv.keys + got.kv.values, want.kv.keys + want.kv.values):
+        assert torch.equal(a, b)
+
+
+# -- failures: the request goes on eagerly, the next one tries again --
+
+
+class Raising:
+    """A forward pre-hook on the first decoder layer that raises while a step is
+    prepared (``capture=True``: as an op syncing with the host makes a CUDA
+    capture fail), or on the ``at``-th forward outside preparation."""
+
+    def __init__(self, model: LoadedModel, capture: bool = False, at: int = -1) -> None:
+        self.capture, self.at, self.calls = capture, at, 0
+        layer = model.model.model.layers[0]
+        self.handle = layer.register_forward_pre_hook(self)
+
+    def __call__(self, module: object, args: object) -> None:
+        if self.capture and preparing():
+            raise RuntimeError("operation not permitted when stream is capturing")
+        if not preparing():
+            self.calls += 1
+            if self.calls == self.at:
+                raise RuntimeError("a step that fails eagerly")
+
+    def __enter__(self) -> Raising:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.remove()
+
+
+def _request(decoder: StaticDecoder, model: LoadedModel, n: int = 8, budget: int = 0) -> list[int]:
+    """One request through the decoder (reserved for ``budget`` or ``n`` new tokens,
+    full prefill, ``n`` greedy tokens; eager steps where the decoder refuses)."""
+    prompt = TokenizedPrompt([Piece(ids(9, 5), "text", "")])
+    with decoder.reserve(model.model, 9, budget or n):
+        pre = FullPrefill().prefill(model, prompt, [])
+        steps = decoder.steps(model.model, pre.kv, budget or n)
+        return greedy(steps or dynamic_steps(model.model, pre.kv), pre.kv, pre.logits, n)[0]
+
+
+def test_a_failed_capture_decodes_eagerly_and_the_next_request_captures(
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A capture that fails (an op syncing with the host, as MoE routing may):
-    that request's bucket runs its step eagerly, later requests the eager steps."""
+    model = model_of("llama")
+    prompt = TokenizedPrompt([Piece(ids(9, 5), "text", "")])
+    pre = FullPrefill().prefill(model, prompt, [])
+    want = greedy(dynamic_steps(model.model, pre.kv), pre.kv, pre.logits, 8)[0]
+    decoder = model.decoder = static(model)
+    try:
+        with caplog.at_level(logging.INFO, "kvrag_integrations.engine.modeling.static_decode"):
+            with Raising(model, capture=True):
+                assert _request(decoder, model) == want  # the capture failed: eager steps
+                assert _request(decoder, model) == want  # and again, tried once more
+            step = decoder.store.held[32].steps[1]
+            assert step.failed and decoder.stats["capture_failures"] == 2
+            assert _request(decoder, model) == want  # the next request captures
+            assert not step.failed and decoder.stats["captures"] == 1
+            with Raising(model, capture=True):  # three in a row: steps stay eager for good
+                for _ in range(3):
+                    decoder.store.release()
+                    assert _request(decoder, model) == want
+        messages = [r.getMessage() for r in caplog.records]
+        named = [m for m in messages if "capture of 32 failed" in m]
+        assert len(named) == 1 and "stream is capturing" in named[0]
+        assert decoder.stats["capture_failures"] == 5 and decoder._no_graphs
+        assert sum("from now on" in m for m in messages) == 1
+    finally:
+        model.decoder = StaticDecoder(model.layout)
 
-    def host_sync(self: _Bucket, pool: object) -> None:
-        raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(_Bucket, "capture", host_sync)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    model = model_of("qwen3-moe")
-    decoder = static(model)
-    pre = full(model, ids(9, 1))
-    bucket = _Bucket(model.model, pre.kv, 16)
-    with caplog.at_level(logging.INFO, logger="kvrag_integrations.engine.modeling.static_decode"):
-        decoder._capture(bucket, 16)
-        assert decoder.steps(model.model, pre.kv, 4) is None
-        assert decoder.steps(model.model, pre.kv, 4) is None
-    assert bucket.graph is None and not decoder.capture_s
-    assert "cannot be captured" in decoder.last
-    named = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
-    assert len(named) == 2 and "from now on" in named[0]  # the failure, then the refusal
-    bucket.fill(pre.kv)  # the bucket it was made for still decodes (eager step)
-    want = dynamic_steps(model.model, pre.kv)(5, pre.kv.next_position)
-    assert (bucket.run(5, pre.kv.next_position, 9) - want).abs().max() <= 1e-4
+def test_a_step_that_fails_eagerly_hands_the_request_to_the_eager_steps() -> None:
+    """The 4th decode step raises: decoding goes on over the slots filled so far."""
+    model = model_of("qwen3")
+    prompt = TokenizedPrompt([Piece(ids(9, 5), "text", "")])
+    pre = FullPrefill().prefill(model, prompt, [])
+    want = greedy(dynamic_steps(model.model, pre.kv), pre.kv, pre.logits, 10)[0]
+    decoder = model.decoder = static(model)
+    try:
+        _request(decoder, model, 2)  # the steps are prepared: later forwards are steps
+        with Raising(model, at=4):
+            assert _request(decoder, model, 10) == want
+    finally:
+        model.decoder = StaticDecoder(model.layout)
+    assert decoder.stats["step_failures"] == 1
+
+
+def test_a_bucket_that_cannot_be_allocated_leaves_the_request_eager_not_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real failed allocation (a 2**40-slot bucket): the kept buckets are released,
+    it is tried once more, the request decodes eagerly; the next request that fits
+    decodes statically."""
+    model = model_of("llama")
+    prompt = TokenizedPrompt([Piece(ids(9, 5), "text", "")])
+    pre = FullPrefill().prefill(model, prompt, [])
+    want = greedy(dynamic_steps(model.model, pre.kv), pre.kv, pre.logits, 6)[0]
+    monkeypatch.setattr(model.model.config, "max_position_embeddings", 1 << 41)
+    decoder = model.decoder = static(model)
+    decoder.buckets = (16, 1 << 40)
+    try:
+        assert _request(decoder, model, 6) == want
+        assert list(decoder.store.held) == [16]
+        assert _request(decoder, model, 6, budget=1 << 39) == want  # its bucket: 2**40 slots
+        assert decoder.last == "eager: out of memory" and decoder.stats["out_of_memory"] == 2
+        assert not decoder.store.held  # released to make room
+        assert _request(decoder, model, 6) == want
+        assert decoder.last.startswith("static, bucket 16")
+    finally:
+        model.decoder = StaticDecoder(model.layout)

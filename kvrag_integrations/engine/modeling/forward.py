@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,12 +63,16 @@ class PromptKV:
         values: same shapes.
         positions: ``[tokens]`` RoPE position of each token.
         input_ids: ``[tokens]`` token ids.
+        home: the static decode (``StaticDecoder``) whose bucket the keys and
+            values are views of (``LoadedModel.prompt_kv``), else None. Its tail
+            forward then runs there (``run_tokens``), and decoding starts there.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     positions: torch.Tensor
     input_ids: torch.Tensor
+    home: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def empty(
@@ -173,9 +177,9 @@ class PromptCache(ForwardCache):
 def _whole_prefix_cache(writer: _BufferWriter) -> RecordingDynamicCache:
     """For rows ``0..n-1``, every token from the first: nothing cached is visible,
     so this is the model's own prefill (its masks, its fused causal kernel) on a
-    config-less ``DynamicCache`` (every token kept on sliding layers too), with
-    each layer's K/V also written to the prompt buffer."""
-    return RecordingDynamicCache(writer.write)
+    config-less ``DynamicCache`` (every token kept on sliding layers too), each
+    layer's K/V written to the prompt buffer and not kept (no second copy)."""
+    return RecordingDynamicCache(writer.write, keep=False)
 
 
 def visible(rows: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
@@ -231,6 +235,10 @@ def run_tokens(
     if layout.reuse_refused:
         raise UnsupportedModelError(layout.reuse_refused)
     rows = rows.to(kv.device)
+    if kv.home is not None and on_update is None and stop_after is None:
+        logits = kv.home.tail(lm, kv, rows)  # a short tail over a static bucket: its graph
+        if logits is not None:
+            return logits
     # A row depends only on earlier rows, so a large scattered set can run as
     # blocks in sequence order, each over keys up to its own last row: less
     # masked-out attention than one rectangle. Two blocks: more would cost more
@@ -246,6 +254,20 @@ def run_tokens(
 
 _BLOCKS = 2
 _BLOCK_MIN_ROWS = 128
+
+
+@torch.no_grad()
+def prefill(lm: Any, layout: ModelLayout, kv: PromptKV) -> torch.Tensor:
+    """The model's own prefill of every token of ``kv`` in one forward (its masks,
+    its causal kernel), each layer's K/V written into ``kv`` and not kept
+    elsewhere; float32 logits of the last token. Full prefill into a buffer laid
+    out in advance (a static decode's bucket)."""
+    if layout.reuse_refused:
+        raise UnsupportedModelError(layout.reuse_refused)
+    every = torch.arange(kv.num_tokens, device=kv.device)
+    logits = _forward(lm, layout, kv, every, None, None)
+    assert logits is not None
+    return logits
 
 
 def _forward(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,12 +29,13 @@ from kvrag_integrations.engine.modeling.sampling import (
 if TYPE_CHECKING:
     from transformers import StopStringCriteria
 
-    from kvrag_integrations.engine.modeling.static_decode import StaticDecoder
     from kvrag_integrations.engine.results import GenerationResult
 
 __all__ = [
     "SAMPLING_ARGS",
     "SamplingParams",
+    "StepSource",
+    "Steps",
     "TextDecoder",
     "check_int",
     "choose_token",
@@ -64,7 +65,7 @@ def to_dynamic_cache(kv: PromptKV) -> Any:
     return layered_cache([k[None] for k in kv.keys], [v[None] for v in kv.values])
 
 
-def dynamic_steps(lm: Any, kv: PromptKV) -> Callable[[int, int], torch.Tensor]:
+def dynamic_steps(lm: Any, kv: PromptKV) -> Steps:
     """Eager decode steps, ``(token, position) -> logits``, over a ``DynamicCache``
     made from the prompt cache on the first step (every model, every device)."""
     cache = None
@@ -83,6 +84,16 @@ def dynamic_steps(lm: Any, kv: PromptKV) -> Callable[[int, int], torch.Tensor]:
         return out.logits[0, -1]
 
     return step
+
+
+Steps = Callable[[int, int], torch.Tensor]  # (token, its position) -> the next logits
+
+
+class StepSource(Protocol):
+    """Where ``decode`` takes its steps from when not eager (the static decode,
+    ``static_decode.StaticDecoder``): None refuses the request."""
+
+    def steps(self, lm: Any, kv: PromptKV, max_new_tokens: int) -> Steps | None: ...
 
 
 _CRITERIA: dict[tuple[int, tuple[str, ...]], tuple[Any, StopStringCriteria | None]] = {}
@@ -195,7 +206,7 @@ def decode(
     eos_ids: Sequence[int],
     cancel: threading.Event | None = None,
     constraint: Any = None,
-    static: StaticDecoder | None = None,
+    static: StepSource | None = None,
 ) -> Iterator[str]:
     """Decode from a prompt cache, yielding text increments; fills ``result``.
 
@@ -217,6 +228,9 @@ def decode(
         generator = torch.Generator().manual_seed(params.seed)
     processors = logits_processors(params)
     stops = set(eos_ids) | set(params.stop_token_ids)
+    held = torch.tensor(sorted(stops), dtype=torch.long)  # masked before min_new_tokens
+    if params.min_new_tokens and held.numel():
+        held = held.to(first_logits.device)
     scanner = _StopScanner(params.stop)
     criteria = stop_string_criteria(tokenizer, params.stop)
     detok = TextDecoder(tokenizer)
@@ -230,6 +244,8 @@ def decode(
     for step in range(params.max_new_tokens):
         if constraint is not None:
             logits = constraint.mask(logits)
+        if step < params.min_new_tokens and held.numel():
+            logits = logits.index_fill(-1, held, float("-inf"))
         token = choose_token(logits, params, generator, ids, processors)
         if step == 0:
             result.ttft_s = time.perf_counter() - started

@@ -99,11 +99,17 @@ class ForwardCache(Cache):
 
 class RecordingDynamicCache(DynamicCache):
     """transformers' config-less ``DynamicCache`` (every token kept on sliding
-    layers too) that also hands each layer's fresh K/V to ``on_update``."""
+    layers too) that also hands each layer's fresh K/V to ``on_update``.
+    ``keep=False``: for a forward from an empty cache, the layer attends over its
+    fresh K/V (what an empty ``DynamicCache`` hands back) and nothing is kept
+    (``on_update`` holds the one copy); the cache stays empty throughout."""
 
-    def __init__(self, on_update: Callable[[torch.Tensor, torch.Tensor, int], None]) -> None:
+    def __init__(
+        self, on_update: Callable[[torch.Tensor, torch.Tensor, int], None], keep: bool = True
+    ) -> None:
         super().__init__()
         self.on_update = on_update
+        self.keep = keep
 
     def update(
         self,
@@ -114,6 +120,8 @@ class RecordingDynamicCache(DynamicCache):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.on_update(key_states, value_states, layer_idx)
+        if not self.keep:
+            return key_states, value_states
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 

@@ -22,9 +22,12 @@ eager ones (Gemma 2's softcapping, which SDPA cannot do), and any forward
 under another wrapper (``attention_mass``), keep today's path, and the first
 is named in the log once per architecture.
 
-Within the same block, one query token over a ``[1, 1, 1, kv]`` mask (the
-static decode's step, ``engine.modeling.static_decode``) runs as one SDPA
-with each K/V head's query heads packed as its rows: no K/V copy per group.
+The static decode's steps (``engine.modeling.static_decode``: one token, or
+a prompt's tail, over a bucket's whole K/V) pass the same placeholder with
+``lower_right_forward(lm, slots=...)``: the rows sit at those cache slots of
+a longer buffer, each sees the slots up to its own, and attention reads only
+the filled ones
+(``filled_attention``: a split-KV Triton kernel, or SDPA under a mask).
 
 ``KVRAG_FAST_PATH=0`` (or ``false``) turns it off (the engine's fast paths'
 one switch).
@@ -42,12 +45,14 @@ from typing import Any
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
+from kvrag_integrations.engine.modeling.filled_attention import filled_attention
 from kvrag_integrations.engine.modeling.hf_compat import (
     attention_function,
     attn_implementation,
     register_attention_like,
     set_attn_implementation,
 )
+from kvrag_integrations.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +96,13 @@ def _lower_right_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA lower-right on our placeholder, one query over a mask (a static
-    decode step) with its heads packed; transformers' SDPA on anything else."""
-    if _is_one_query(query, attention_mask) and kwargs.get("softcap") is None:
-        return _packed_one_query(module, query, key, value, attention_mask, scaling)
+    """SDPA lower-right on our placeholder, attention over the filled slots on a
+    placeholder of the static decode; transformers' SDPA on anything else."""
+    slots = getattr(_active, "slots", None)
+    if slots is not None and _is_placeholder(attention_mask):
+        if kwargs.get("softcap") is not None:  # the static decode refuses these models
+            raise UnsupportedModelError("the static decode cannot softcap attention")
+        return filled_attention(query, key, value, slots, scaling), None
     if not _is_placeholder(attention_mask) or kwargs.get("softcap") is not None:
         inner = attention_function(_INNER, module)
         return inner(
@@ -118,39 +126,6 @@ def _lower_right_attention(
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
-
-
-def _is_one_query(query: torch.Tensor, mask: Any) -> bool:
-    return (
-        getattr(_active, "on", False)
-        and query.shape[2] == 1
-        and isinstance(mask, torch.Tensor)
-        and mask.dim() == 4
-        and mask.shape[2] == 1
-        and mask.shape[1] == 1
-        and not all(s == 0 for s in mask.stride())
-    )
-
-
-def _packed_one_query(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor,
-    scaling: float | None,
-) -> tuple[torch.Tensor, None]:
-    """One query token over ``[1, 1, 1, kv]`` mask: the query heads of each K/V head
-    as that head's rows (``[b, kv_heads, groups, d]``), so SDPA reads each K/V head
-    once and no kernel needs grouped-query support with a mask (transformers
-    copies K/V per group there before 5.24)."""
-    batch, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        packed, key, value, attn_mask=mask, scale=scaling
-    )
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def _bool_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -186,21 +161,24 @@ def can_take(lm: Any) -> bool:
 
 
 @contextmanager
-def lower_right_forward(lm: Any) -> Iterator[None]:
+def lower_right_forward(lm: Any, slots: torch.Tensor | None = None) -> Iterator[None]:
     """Within the block, this thread's forward of ``lm`` runs our attention
-    function (placeholders as lower-right). Re-entrant and safe with other
-    threads' forwards (they get transformers' SDPA and its masks)."""
+    function (placeholders as lower-right; with ``slots``, a device tensor, as
+    rows at those slots of a static cache, reading only the filled slots).
+    Re-entrant and safe with other threads' forwards (they get transformers'
+    SDPA and its masks)."""
     config, key = lm.config, id(lm.config)
     with _swap_lock:
         if _swapped.get(key, 0) == 0:
             set_attn_implementation(config, _NAME)
         _swapped[key] = _swapped.get(key, 0) + 1
-    previous = getattr(_active, "on", False), getattr(_active, "masks", None)
-    _active.on, _active.masks = True, {}
+    previous = (getattr(_active, "on", False), getattr(_active, "masks", None),
+                getattr(_active, "slots", None))  # fmt: skip
+    _active.on, _active.masks, _active.slots = True, {}, slots
     try:
         yield
     finally:
-        _active.on, _active.masks = previous
+        _active.on, _active.masks, _active.slots = previous
         with _swap_lock:
             _swapped[key] -= 1
             if _swapped[key] == 0:

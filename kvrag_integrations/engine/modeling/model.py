@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvrag_integrations.chunk_kv import FORMAT_VERSION
+from kvrag_integrations.engine.modeling.forward import PromptKV
 from kvrag_integrations.engine.modeling.hf_compat import prefer_grouped_sdpa
 from kvrag_integrations.engine.modeling.host_memory import keep_freed_memory
 from kvrag_integrations.engine.modeling.layout import ModelLayout
@@ -135,6 +136,15 @@ class LoadedModel:
             self.lock = ForwardLock(self.device)
         if self.costs is None:
             self.costs = CostModel(self.device)
+
+    def prompt_kv(self, positions: torch.Tensor, input_ids: torch.Tensor) -> PromptKV:
+        """The buffer a strategy lays a prompt's K/V out in: the request's static
+        decode bucket where it reserved one (``StaticDecoder.reserve``: decoding
+        then starts there, no copy), else fresh memory on the model's device."""
+        claimed = self.decoder.claim(self.layout, positions, input_ids)
+        if claimed is not None:
+            return claimed
+        return PromptKV.empty(self.layout, positions, input_ids, self.dtype, self.device)
 
     @property
     def context_window(self) -> int:

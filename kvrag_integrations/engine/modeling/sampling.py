@@ -43,9 +43,13 @@ class SamplingParams:
     seed: int | None = None
     stop: Sequence[str] | None = ()
     stop_token_ids: Sequence[int] | None = ()
+    # the end-of-answer and stop token ids are masked until this many tokens
+    # (transformers' min_new_tokens, vLLM's min_tokens); stop strings still stop
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.max_new_tokens = check_int("max_new_tokens", self.max_new_tokens, minimum=0)
+        self.min_new_tokens = check_int("min_new_tokens", self.min_new_tokens, minimum=0)
         self.top_k = check_int("top_k", self.top_k, minimum=0)
         temperature = _real("temperature", self.temperature)
         if not (math.isfinite(temperature) and temperature >= 0):

@@ -1,64 +1,79 @@
-"""Decoding at the hardware's pace: a static cache of a bucket's length, one step
-of fixed shapes, captured as a CUDA graph per bucket on CUDA.
+"""Decoding at the hardware's pace: a static cache of a bucket's length, fixed-shape
+steps captured as CUDA graphs, the prompt laid out in the bucket, no copy.
 
 After any strategy's prefill, decoding one token is a small forward: on a GPU
 its time goes to launching ~10 kernels per layer from Python, not to reading
 the weights. As in SGLang's and vLLM's decode graphs, each step here is one
-function of fixed shapes over static buffers (the token id ``[1, 1]``, its RoPE
-position ``[1, 1]``, the cache slot it is written to ``[1]``, the K/V of every
-layer ``[1, kv_heads, bucket, head_dim]``), so it can be captured once with
-``torch.cuda.CUDAGraph`` and replayed per token; attention runs inside the
-graph, over the whole bucket with an additive mask built in the graph from the
-slot (the unfilled tail is masked out, as transformers' ``StaticCache`` masks
-it by ``cache_position``). Sampling, stops, streaming and logprobs stay
-outside: the step returns the logits (``generate.decode`` calls it through its
-one step hook).
+function of fixed shapes over static buffers (``static_buckets.Step``),
+captured once with ``torch.cuda.CUDAGraph`` and replayed per token; attention
+runs inside the graph and reads only the filled slots (``filled_attention``:
+a split-KV Triton kernel, masked SDPA without Triton). Sampling, stops,
+streaming and logprobs stay outside: a step returns the logits
+(``generate.decode`` calls it through its one step hook).
 
-Buckets: cache lengths of 4k, 8k, 16k, 32k, 64k and 128k tokens (6, capped at
-the model's context window); a request takes the smallest bucket that holds
-its prompt and ``max_new_tokens``. A bucket's buffers and graph are made on its
-first use (the capture's seconds are kept in ``StaticDecoder.capture_s``) and
-the last ``keep`` (2) used buckets are kept: one graph memory pool is shared
-by all of them (as SGLang shares one across batch sizes).
+**Buckets:** cache lengths of 4k, 8k, 16k, 32k, 64k and 128k tokens (capped at
+the model's context window); a request takes the smallest that holds its
+prompt and ``max_new_tokens``. Buckets stay allocated for the next requests,
+least recently used released first, at most ``max_bytes`` of them (default a
+quarter of the GPU's memory); all graphs share one memory pool.
 
-The cache is ours (a ``ForwardCache`` writing with ``index_copy_`` at the slot
-tensor, the write transformers' ``StaticLayer.update`` does), not
-transformers' ``StaticCache``: its write index moved from ``cache_position``
-(5.17) to an internal counter (5.24), and turbo's RoPE positions are not cache
-slots. The attention of the step is SDPA with the query heads packed onto
-their K/V heads (``lower_right``'s function), so no K/V copy per query group.
+**One copy of the prompt's K/V:** a request (``in_process.answer``) reserves
+its bucket before its prefill (``reserve``); the strategy then lays the prompt
+out in the bucket's buffers (``claim``, through ``LoadedModel.prompt_kv``), and
+decoding starts there. A prompt cache made elsewhere is copied in (``fill``).
+
+**The tail:** over a claimed bucket, the forward of up to 128 tokens over the
+reused chunks (turbo's question, the text between chunks) runs as a step of 16,
+32, 64 or 128 rows, a graph each (``tail``, which ``forward.run_tokens`` calls).
+
+**Failures never end a request:** a bucket that cannot be allocated (out of
+memory: the kept buckets are released and it is tried once more) leaves the
+request on the eager path; a step that cannot be captured runs eagerly over the
+bucket for that request, and the next request tries again (after
+``max_capture_failures`` failures in a row, not any more: steps run eagerly);
+a step that fails eagerly hands decoding to the eager ``DynamicCache`` steps
+over the slots filled so far. Each reason is named once in the log; ``stats``
+counts captures, recaptures (a step captured again after its bucket was
+released), failures and releases.
 
 What runs eagerly as before (the ``DynamicCache`` loop), named in the log once
-per model and reason: ``KVRAG_FAST_PATH=0``; a device outside ``devices``
-(default CUDA only: on CPU the static step is no faster, see
-docs/benchmarks.md); attention other than SDPA; sliding-window or hybrid layer
-types; a model whose reuse is refused or spread over devices; a prompt plus
-``max_new_tokens`` past the largest bucket; a model whose step cannot be
-captured (the capture's error). On CPU the same step runs eagerly over the same
-buffers when a caller opts in (``devices=("cpu", "cuda")``): everything but the
-capture and replay is tested there.
+per reason: ``KVRAG_FAST_PATH=0``; a device outside ``devices`` (default CUDA
+only: on CPU the static step is no faster, see docs/benchmarks.md); attention
+other than SDPA; sliding-window or hybrid layer types; a model whose reuse is
+refused or spread over devices; a prompt plus ``max_new_tokens`` past the
+largest bucket. On CPU the same steps run eagerly over the same buffers when a
+caller opts in (``devices=("cpu", "cuda")``): everything but the capture and
+replay is tested there.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from kvrag_integrations.engine.modeling.forward import PromptKV
-from kvrag_integrations.engine.modeling.hf_compat import ForwardCache, cache_argument
+from kvrag_integrations.engine.modeling.generate import dynamic_steps
 from kvrag_integrations.engine.modeling.layout import ModelLayout
-from kvrag_integrations.engine.modeling.lower_right import can_take, lower_right_forward
+from kvrag_integrations.engine.modeling.lower_right import can_take
+from kvrag_integrations.engine.modeling.static_buckets import (
+    Bucket,
+    BucketStore,
+    Step,
+    is_out_of_memory,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUCKETS", "StaticDecoder", "StaticSteps", "bucket_for"]
+__all__ = ["BUCKETS", "TAILS", "StaticDecoder", "StaticSteps", "bucket_for"]
 
 BUCKETS: tuple[int, ...] = tuple(4096 << i for i in range(6))  # 4k .. 128k tokens
+TAILS: tuple[int, ...] = (16, 32, 64, 128)  # row counts of a prompt tail's steps
 
 
 def bucket_for(needed: int, buckets: Sequence[int]) -> int | None:
@@ -66,119 +81,58 @@ def bucket_for(needed: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in sorted(buckets) if b >= needed), None)
 
 
-class _SlotCache(ForwardCache):
-    """Fixed K/V buffers; each layer writes its one fresh token at ``slot`` and
-    attends over the whole buffer (the step's mask hides unwritten slots)."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slot: torch.Tensor):
-        super().__init__()
-        self.keys, self.values, self.slot = keys, values, slot
-
-    def write(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, self.slot, key_states)
-        values.index_copy_(2, self.slot, value_states)
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.keys[0].shape[2])
-
-
-class _Bucket:
-    """One bucket's static buffers and its step (a CUDA graph, or eager)."""
-
-    def __init__(self, lm: Any, kv: PromptKV, length: int) -> None:
-        dev, dtype = kv.device, kv.dtype
-        self.lm, self.length, self.device = lm, length, dev
-        shape = [(1, k.shape[0], length, k.shape[2]) for k in kv.keys]
-        # zeros: masked slots must hold finite values (0 * NaN would leak in)
-        self.keys = [torch.zeros(s, dtype=dtype, device=dev) for s in shape]
-        self.values = [torch.zeros(s, dtype=dtype, device=dev) for s in shape]
-        self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
-        self.position = torch.zeros((1, 1), dtype=torch.long, device=dev)
-        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
-        self.keys_at = torch.arange(length, device=dev)
-        self.open = torch.zeros((), dtype=dtype, device=dev)
-        self.shut = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=dev)
-        self.cache = _SlotCache(self.keys, self.values, self.slot)
-        self.logits: torch.Tensor | None = None
-        self.graph: Any = None
-
-    def _step(self) -> None:
-        """The step of fixed shapes: what the graph holds."""
-        mask = torch.where(self.keys_at <= self.slot, self.open, self.shut)[None, None, None]
-        with lower_right_forward(self.lm):
-            out = self.lm(
-                input_ids=self.ids,
-                position_ids=self.position,
-                attention_mask=mask,
-                **cache_argument(self.lm, self.cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        if self.logits is None:
-            self.logits = torch.empty_like(out.logits[0, -1])
-        self.logits.copy_(out.logits[0, -1])
-
-    def capture(self, pool: Any) -> None:
-        """Record the step as a CUDA graph (torch's documented warm-up on a side
-        stream, then capture into the shared pool). Writes slot 0: call before
-        ``fill``."""
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads' CUDA work meanwhile (a tiered store's
-            # copies, which take no forward lock) does not void the capture
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._step()
-        self.graph = graph
-
-    def fill(self, kv: PromptKV) -> None:
-        """Copy the prompt's K/V into slots ``0..tokens-1`` (later slots are masked)."""
-        n = kv.num_tokens
-        for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
-            self.keys[layer][0, :, :n].copy_(k)
-            self.values[layer][0, :, :n].copy_(v)
-
-    def run(self, token: int, position: int, slot: int) -> torch.Tensor:
-        self.ids.fill_(token)
-        self.position.fill_(position)
-        self.slot.fill_(slot)
-        if self.graph is not None:
-            with torch.cuda.device(self.device):
-                self.graph.replay()
-        else:
-            self._step()
-        assert self.logits is not None
-        return self.logits.clone()  # the next step overwrites the buffer
-
-
 class StaticSteps:
     """One request's decode steps over a bucket: ``steps(token, position) -> logits``.
 
-    The bucket is taken (made, captured) and filled on the first step, so a
-    request that stops at its first token pays nothing.
+    A prompt cache laid out in the bucket decodes there; any other is copied in
+    on the first step, so a request that stops at its first token pays nothing.
+    A step that fails hands the rest of the request to the eager steps.
     """
 
     def __init__(self, decoder: StaticDecoder, lm: Any, kv: PromptKV, length: int) -> None:
         self.decoder, self.lm, self.kv, self.length = decoder, lm, kv, length
-        self.bucket: _Bucket | None = None
+        self.bucket: Bucket | None = decoder.holding(kv)
+        self.filled = self.bucket is not None
         self.slot = kv.num_tokens
+        self.eager: Any = None  # the eager steps, once the static ones failed
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
-        if self.bucket is None:
-            self.bucket = self.decoder.bucket(self.lm, self.kv, self.length)
-            self.bucket.fill(self.kv)
-        logits = self.bucket.run(token, position, self.slot)
+        if self.eager is None:
+            try:
+                logits = self._static(token, position)
+            except Exception as exc:
+                self.decoder.failed("decode step", exc)
+                self.eager = self._eager_from_here()
+            else:
+                self.slot += 1
+                return logits
+        logits = self.eager(token, position)
         self.slot += 1
         return logits
+
+    def _static(self, token: int, position: int) -> torch.Tensor:
+        if self.bucket is None:
+            self.bucket = self.decoder.store.take(
+                self.lm, self.kv.dtype, self.kv.device, self.length
+            )
+            if self.bucket is None:
+                raise RuntimeError("no bucket (out of memory)")
+        if not self.filled:
+            self.bucket.fill(self.kv.keys, self.kv.values)
+            self.filled = True
+        step = self.bucket.step(self.lm, 1)
+        step.set_token(token, position, self.slot)
+        self.decoder.ready(step)
+        return step.run()
+
+    def _eager_from_here(self) -> Any:
+        """Eager steps over what is filled: the prompt, and the answer's tokens so far
+        (in the bucket's slots ``n .. slot-1``)."""
+        kv = self.kv
+        if self.bucket is not None and self.filled and self.slot > kv.num_tokens:
+            keys, values = self.bucket.views(self.slot)
+            kv = PromptKV(keys, values, kv.positions, kv.input_ids)
+        return dynamic_steps(self.lm, kv)
 
 
 class StaticDecoder:
@@ -190,8 +144,13 @@ class StaticDecoder:
         layout: the model's layout (its windows and whether reuse is refused).
         buckets: cache lengths to choose from (capped at the context window).
         devices: device types that decode statically (CUDA: captured as graphs).
-        keep: how many buckets' buffers and graphs stay allocated.
-        graphs: capture CUDA graphs on CUDA (False: the static step runs eagerly).
+        max_bytes: most bytes of K/V buffers kept between requests, least recently
+            used released first (None: a quarter of the GPU's memory; 1 GiB
+            elsewhere). A bucket larger than that alone is still made.
+        graphs: capture CUDA graphs on CUDA (False: the static steps run eagerly).
+        tails: row counts of the prompt-tail steps (``()``: tails run eagerly).
+        max_capture_failures: requests in a row with a failed capture after which
+            steps run eagerly for good (named in the log).
     """
 
     def __init__(
@@ -199,37 +158,52 @@ class StaticDecoder:
         layout: ModelLayout,
         buckets: Sequence[int] = BUCKETS,
         devices: Sequence[str] = ("cuda",),
-        keep: int = 2,
+        max_bytes: int | None = None,
         graphs: bool = True,
+        tails: Sequence[int] = TAILS,
+        max_capture_failures: int = 3,
     ) -> None:
         self.layout = layout
         self.buckets = tuple(sorted(buckets))
         self.devices = tuple(devices)
-        self.keep = keep
         self.graphs = graphs
-        self.capture_s: dict[int, float] = {}  # bucket -> seconds of its first capture
-        self._held: OrderedDict[int, _Bucket] = OrderedDict()
-        self._model: int | None = None  # id of the model the held buckets belong to
-        self._pool: Any = None
-        self._broken: str | None = None  # a capture failed: the reason
-        self._named: set[str] = set()
+        self.tails = tuple(sorted(tails))
+        self.max_capture_failures = max_capture_failures
+        self.capture_s: dict[str, float] = {}  # "bucket" or "bucket/tail rows" -> last capture
+        self.stats = dict.fromkeys(
+            ("captures", "recaptures", "capture_failures", "step_failures", "out_of_memory",
+             "released"), 0,
+        )  # fmt: skip
         self.last: str | None = None  # how the last request decoded (benchmarks report it)
+        self.store = BucketStore(layout, max_bytes, self.stats)
+        self._pool: Any = None
+        self._failures = 0  # requests in a row whose capture failed
+        self._failed_in = -1  # the last of them
+        self._no_graphs: str | None = None  # why steps run eagerly for good
+        self._captured: set[str] = set()
+        self._named: set[str] = set()
+        self._reserved: tuple[int, Bucket, int] | None = None  # (thread, bucket, tokens)
+        self._request = 0  # counts requests (a failed capture is retried by the next)
+        self._skip: int | None = None  # the request whose bucket could not be allocated
 
-    def refusal(self, lm: Any, kv: PromptKV, max_new_tokens: int) -> str | None:
-        """Why this request decodes eagerly (None: it decodes statically)."""
+    # -- what decodes statically ---------------------------------------------------------------
+
+    def refusal(
+        self, lm: Any, device: torch.device, tokens: int, max_new_tokens: int
+    ) -> str | None:
+        """Why a request decodes eagerly (None: it decodes statically)."""
         if not can_take(lm):  # the switch, or attention other than SDPA
             return "KVRAG_FAST_PATH=0 or attention other than sdpa"
-        if kv.device.type not in self.devices:
-            return f"device {kv.device.type} (static decode on {', '.join(self.devices) or 'none'})"
+        kind = torch.device(device).type
+        if kind not in self.devices:
+            return f"device {kind} (static decode on {', '.join(self.devices) or 'none'})"
         if any(w is not None for w in self.layout.windows):
             return "sliding-window or hybrid layer types"
         if self.layout.reuse_refused:
             return "a model whose reuse is refused"
         if len(set((getattr(lm, "hf_device_map", None) or {}).values())) > 1:
             return "a model spread over devices"
-        if self._broken:
-            return self._broken
-        if self.length(lm, kv.num_tokens + max_new_tokens) is None:
+        if self.length(lm, tokens + max_new_tokens) is None:
             return f"prompt and max_new_tokens past the largest bucket ({self.buckets[-1]})"
         return None
 
@@ -239,50 +213,160 @@ class StaticDecoder:
         sizes = {min(b, cap) if cap else b for b in self.buckets}
         return bucket_for(needed, sizes)
 
+    def _refused(self, lm: Any, why: str | None) -> bool:
+        self.last = f"eager: {why}" if why else None
+        if why is not None and why not in self._named:
+            self._named.add(why)
+            logger.info("%s decodes eagerly: %s", type(lm).__name__, why)
+        return why is not None
+
+    def _path(self, length: int, device: torch.device) -> str:
+        graphed = self.graphs and device.type == "cuda" and self._no_graphs is None
+        return f"static, bucket {length}" + (", CUDA graph" if graphed else ", eager step")
+
+    # -- a request: its bucket reserved, the prompt laid out in it, decoding -------------------
+
+    @contextmanager
+    def reserve(self, lm: Any, tokens: int, max_new_tokens: int) -> Iterator[None]:
+        """Within the block (one request's prefill and decoding, under the forward
+        lock), this thread's first prompt buffer of at most ``tokens`` is laid out in
+        the request's bucket (``claim``). Nothing is reserved where the request
+        decodes eagerly or the bucket cannot be allocated."""
+        self._request += 1
+        device = torch.device(getattr(lm, "device", "cpu"))
+        bucket = None
+        if not self._refused(lm, self.refusal(lm, device, tokens, max_new_tokens)):
+            length = self.length(lm, tokens + max_new_tokens)
+            assert length is not None
+            bucket = self.store.take(lm, lm.dtype, device, length)
+            self.last = self._path(length, device) if bucket else "eager: out of memory"
+            self._skip = None if bucket else self._request
+        self._reserved = None if bucket is None else (threading.get_ident(), bucket, tokens)
+        try:
+            yield
+        finally:
+            self._reserved, self._skip = None, None
+
+    def claim(
+        self, layout: ModelLayout, positions: torch.Tensor, input_ids: torch.Tensor
+    ) -> PromptKV | None:
+        """The reserved bucket's slots ``0 .. n-1`` as the prompt buffer of
+        ``input_ids`` (n tokens), once per reservation and only on its thread;
+        None: lay the prompt out in fresh memory."""
+        held = self._reserved
+        n = int(input_ids.numel())
+        if held is None or held[0] != threading.get_ident() or n > held[2] or n == 0:
+            return None
+        _, bucket, _ = held
+        if (layout.num_layers, layout.kv_heads, layout.head_dim) != (
+            len(bucket.keys),
+            bucket.keys[0].shape[1],
+            bucket.keys[0].shape[3],
+        ):
+            return None
+        self._reserved = None
+        keys, values = bucket.views(n)
+        kv = PromptKV(keys, values, positions.to(bucket.device), input_ids.to(bucket.device))
+        kv.home = self
+        bucket.tenant = weakref.ref(kv)
+        return kv
+
+    def holding(self, kv: PromptKV) -> Bucket | None:
+        """The held bucket ``kv`` is laid out in (None: none)."""
+        if kv.home is not self:
+            return None
+        return self.store.holding(kv)
+
     def steps(self, lm: Any, kv: PromptKV, max_new_tokens: int) -> StaticSteps | None:
         """The static steps for a request, or None (decode eagerly; the reason is
         logged once per reason)."""
-        why = self.refusal(lm, kv, max_new_tokens)
-        self.last = f"eager: {why}" if why else None
-        if why is not None:
-            if why not in self._named:
-                self._named.add(why)
-                logger.info("%s decodes eagerly: %s", type(lm).__name__, why)
+        bucket = self.holding(kv)
+        if bucket is None:
+            if self._skip == self._request:  # its bucket could not be allocated
+                return None
+            self._request += 1  # a request that reserved nothing
+        if self._refused(lm, self.refusal(lm, kv.device, kv.num_tokens, max_new_tokens)):
             return None
-        length = self.length(lm, kv.num_tokens + max_new_tokens)
+        length = (
+            bucket.length if bucket is not None else self.length(lm, kv.num_tokens + max_new_tokens)
+        )
         assert length is not None
-        graphed = self.graphs and kv.device.type == "cuda"
-        self.last = f"static, bucket {length}" + (", CUDA graph" if graphed else ", eager step")
+        self.last = self._path(length, kv.device)
         return StaticSteps(self, lm, kv, length)
 
-    def bucket(self, lm: Any, kv: PromptKV, length: int) -> _Bucket:
-        """The bucket of ``length`` for ``lm``, made (and captured) on first use."""
-        if self._model != id(lm):
-            self._held.clear()
-            self._model = id(lm)
-        held = self._held.get(length)
-        if held is not None and held.keys[0].dtype == kv.dtype:
-            self._held.move_to_end(length)
-            return held
-        while len(self._held) >= max(self.keep, 1):
-            self._held.popitem(last=False)
-        made = _Bucket(lm, kv, length)
-        if self.graphs and kv.device.type == "cuda":
-            self._capture(made, length)
-        self._held[length] = made
-        return made
-
-    def _capture(self, bucket: _Bucket, length: int) -> None:
-        started = time.perf_counter()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+    def tail(self, lm: Any, kv: PromptKV, rows: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of the last of ``rows`` (sorted, distinct sequence indices,
+        at most the largest tail step's count: what a prompt computes over its
+        reused chunks) computed over ``kv``'s bucket as a tail step, their K/V
+        written into the bucket; None where it does not apply (the caller runs
+        the forward as usual)."""
+        bucket = self.holding(kv)
+        n, count = kv.num_tokens, int(rows.numel())
+        size = bucket_for(count, self.tails) if bucket is not None and count > 1 else None
+        if size is None or not can_take(lm) or n + size - count > bucket.length:
+            return None
+        step = bucket.step(lm, size)
+        step.set_rows(kv.input_ids[rows], kv.positions[rows], rows, n)
         try:
-            bucket.capture(self._pool)
-        except RuntimeError as exc:  # an op that cannot be captured (a host sync)
-            self._broken = f"its decode step cannot be captured ({exc})"[:300]
-            name = type(bucket.lm).__name__
-            logger.info("%s decodes eagerly from now on: %s", name, self._broken)
-            bucket.graph = None
+            self.ready(step)
+            return step.run().float()
+        except Exception as exc:
+            self.failed("tail step", exc)
+            if not is_out_of_memory(exc):  # an eager forward that fails will fail again
+                self.tails = ()
+            return None
+
+    # -- buckets and graphs --------------------------------------------------------------------
+
+    def ready(self, step: Step) -> None:
+        """Prepare ``step`` (capture its graph) if not yet; a failure leaves it eager
+        for this request and is tried again by the next one."""
+        graphs = self.graphs and self._no_graphs is None
+        retry = step.failed and step.tried != self._request and graphs
+        if step.prepared and not retry:
             return
-        torch.cuda.synchronize()
-        self.capture_s.setdefault(length, time.perf_counter() - started)
+        key = f"{step.bucket.length}" + (f"/tail {step.rows}" if step.rows > 1 else "")
+        step.tried = self._request
+        try:
+            seconds = step.prepare(self._pool_for(step), graphs)
+        except Exception as exc:
+            self.failed(f"capture of {key}", exc, capture=True)
+            return
+        if graphs or step.bucket.device.type != "cuda":  # elsewhere a capture is its warm-up
+            if self._failed_in != self._request:
+                self._failures = 0
+            self.stats["captures"] += 1
+            if key in self._captured:
+                self.stats["recaptures"] += 1
+                self._name(
+                    f"step {key} captured again (its bucket was released)", level=logging.DEBUG
+                )
+            self._captured.add(key)
+            self.capture_s[key] = seconds
+
+    def _pool_for(self, step: Step) -> Any:
+        if self._pool is None and step.bucket.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def failed(self, what: str, exc: BaseException, capture: bool = False) -> None:
+        """Count and name (once per reason) a failure the request survives."""
+        if is_out_of_memory(exc):
+            self.stats["out_of_memory"] += 1
+            self.store.release(idle_only=True)
+        elif capture:
+            self.stats["capture_failures"] += 1
+            if self._failed_in != self._request:  # requests with a failed capture, in a row
+                self._failed_in = self._request
+                self._failures += 1
+            if self._failures >= self.max_capture_failures and self._no_graphs is None:
+                self._no_graphs = f"{self._failures} captures failed in a row"
+                self._name(f"steps run eagerly from now on: {self._no_graphs}")
+        else:
+            self.stats["step_failures"] += 1
+        self._name(f"{what} failed, this request goes on eagerly ({exc})"[:300])
+
+    def _name(self, what: str, level: int = logging.INFO) -> None:
+        if what not in self._named:
+            self._named.add(what)
+            logger.log(level, "static decode: %s", what)

@@ -139,8 +139,8 @@ class ChunkReuse(Strategy):
         """:meth:`assemble`, returning the :class:`Placement` it used."""
         layout = model.layout
         placement = place(prompt, self.positions)
-        ids, device = prompt.input_ids, model.device
-        kv = PromptKV.empty(layout, placement.positions, ids, model.dtype, device)
+        ids = prompt.input_ids
+        kv = model.prompt_kv(placement.positions, ids)  # a reserved bucket's slots, or fresh
         if len(chunk_kvs) != len(placement.row_counts):
             raise ValueError(
                 f"{len(placement.row_counts)} cached pieces but {len(chunk_kvs)} chunk caches"
