@@ -19,7 +19,7 @@ from kvrag_integrations.errors import StoreURLError
 from kvrag_integrations.vllm.trust import ClientPolicy, KeyLookup, check_role, server_secret
 
 CONNECTOR_CLASS = "KVRAGConnector"
-CONNECTOR_MODULE = "kvrag_integrations.vllm.connector"
+CONNECTOR_MODULE = "kvrag_integrations.vllm.connector.kv_connector"
 # A worker's own memory tier in front of the shared store: hot entries are read
 # from memory. Bounded, since vLLM sizes its KV cache from the memory left.
 DEFAULT_MEMORY_TIER_BYTES = 512 * 2**20

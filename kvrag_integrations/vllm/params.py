@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
-from kvrag_integrations.vllm.messages import PieceOp
 from kvrag_integrations.vllm.trust import Tenant, request_salt
 
 PARAMS_KEY = "kvrag"
@@ -80,12 +79,6 @@ class PieceSpec:
     def entry_ids(self, prompt_ids: Sequence[int]) -> list[int]:
         """The ids of this piece's entry (the one place they are derived)."""
         return [*self.lead, *prompt_ids[self.start : self.end], *self.tail]
-
-    def op(self, prompt_ids: Sequence[int]) -> PieceOp:
-        """This piece as the workers get it: its span, its entry's ids, and the
-        entry row it starts at."""
-        ids = tuple(self.entry_ids(prompt_ids))
-        return PieceOp(self.start, self.rows, ids, len(self.lead))
 
     def as_list(self) -> list[Any]:
         if self.lead:

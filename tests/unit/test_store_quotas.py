@@ -19,9 +19,8 @@ from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.store.quotas import Quotas, namespace_of
 from kvrag_integrations.store.sizing import DISK_FRACTION, store_budget
 from kvrag_integrations.vllm.config import ConnectorSettings, parse_store_bytes
-from kvrag_integrations.vllm.gateway import KeyFile
+from kvrag_integrations.vllm.keys import KeyFile, namespace_quotas
 from kvrag_integrations.vllm.serve import main as serve_main
-from kvrag_integrations.vllm.serve import namespace_quotas
 from kvrag_integrations.vllm.trust import Tenant
 
 BASE = "model-fp"

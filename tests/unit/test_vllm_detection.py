@@ -17,9 +17,9 @@ import pytest
 
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.matching import ContentIndex
-from kvrag_integrations.vllm.detection import Detector
 from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
-from kvrag_integrations.vllm.reuse_hook import ReuseHook
+from kvrag_integrations.vllm.server.detection import Detector
+from kvrag_integrations.vllm.server.reuse_hook import ReuseHook
 from kvrag_integrations.vllm.trust import ANON_SALT_PREFIX, ClientPolicy, Tenant, request_salt
 
 FP = "fp+kv-float16"

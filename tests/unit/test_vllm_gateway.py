@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from kvrag_integrations.vllm import gateway
-from kvrag_integrations.vllm.gateway import KEYS_ENV, OPEN_ROUTES, TenantGateway
 from kvrag_integrations.vllm.params import PARAMS_KEY
+from kvrag_integrations.vllm.server import gateway
+from kvrag_integrations.vllm.server.gateway import KEYS_ENV, OPEN_ROUTES, TenantGateway
 from kvrag_integrations.vllm.trust import SECRET_ENV, ClientPolicy, Tenant, key_digest
 
 SECRET = "gateway-test-secret"

@@ -13,8 +13,8 @@ import pytest
 
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.vllm.connector.scheduler_side import SchedulerSide
 from kvrag_integrations.vllm.params import PieceSpec, TransferParams
-from kvrag_integrations.vllm.scheduler_side import SchedulerSide
 from kvrag_integrations.vllm.trust import ClientPolicy, Grant, Tenant, key_digest
 
 FP = "fp+kv-float16"

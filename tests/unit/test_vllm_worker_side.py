@@ -21,10 +21,10 @@ from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.errors import PagedLayoutError
 from kvrag_integrations.store import MemoryKVStore
 from kvrag_integrations.store.maintenance import StoreBudget
-from kvrag_integrations.vllm.messages import LoadOp, PieceOp, SaveOp
-from kvrag_integrations.vllm.paged import PagedLayout
+from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp, SaveOp
+from kvrag_integrations.vllm.connector.paged import PagedLayout
+from kvrag_integrations.vllm.connector.worker_side import WorkerSide, layer_index
 from kvrag_integrations.vllm.trust import Tenant
-from kvrag_integrations.vllm.worker_side import WorkerSide, layer_index
 
 BLOCK = 4  # tokens per block
 BLOCKS = 12

@@ -36,10 +36,10 @@ from kvrag_integrations.bench.openai_apps import system_prompt, wait_indexed
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.engine.prompting.segments import cache_leading_text
 from kvrag_integrations.store import DiskKVStore
-from kvrag_integrations.vllm.engine import VLLMEngine
-from kvrag_integrations.vllm.gateway import OPEN_ROUTES
+from kvrag_integrations.vllm.client.turbo import load_run
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
+from kvrag_integrations.vllm.server.gateway import OPEN_ROUTES
 from kvrag_integrations.vllm.trust import Tenant, request_salt
-from kvrag_integrations.vllm.turbo import load_run
 
 needs_vllm()
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.errors import TransferParamsError
-from kvrag_integrations.vllm.messages import LoadOp, PieceOp, SaveOp, StepOps
+from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp, SaveOp, StepOps
 from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
 from kvrag_integrations.vllm.trust import ClientPolicy, Tenant, request_salt
 
@@ -235,4 +235,11 @@ class SchedulerSide:
 def _overlapping(
     pieces: Sequence[PieceSpec], prompt: Sequence[int], lo: int, hi: int
 ) -> tuple[PieceOp, ...]:
-    return tuple(p.op(prompt) for p in pieces if p.start < hi and p.end > lo)
+    return tuple(_op(p, prompt) for p in pieces if p.start < hi and p.end > lo)
+
+
+def _op(piece: PieceSpec, prompt: Sequence[int]) -> PieceOp:
+    """A piece as the workers get it: its span, its entry's ids, and the entry row
+    it starts at."""
+    ids = tuple(piece.entry_ids(prompt))
+    return PieceOp(piece.start, piece.rows, ids, len(piece.lead))

@@ -43,8 +43,8 @@ from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store import KVStore
 from kvrag_integrations.store.maintenance import StoreBudget
-from kvrag_integrations.vllm.messages import LoadOp, PieceOp, SaveOp
-from kvrag_integrations.vllm.paged import PagedLayout
+from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp, SaveOp
+from kvrag_integrations.vllm.connector.paged import PagedLayout
 from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)

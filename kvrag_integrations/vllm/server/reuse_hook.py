@@ -53,8 +53,8 @@ from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.matching import ContentIndex
-from kvrag_integrations.vllm.detection import Detection, Detector
 from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
+from kvrag_integrations.vllm.server.detection import Detection, Detector
 from kvrag_integrations.vllm.trust import ClientPolicy, Grant, Tenant, request_salt
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvrag_integrations.vllm.detection import Detector
-from kvrag_integrations.vllm.gateway import ASGIApp, Receive, Scope, Send
-from kvrag_integrations.vllm.reuse_hook import Forget, ReuseHook
+from kvrag_integrations.vllm.server.detection import Detector
+from kvrag_integrations.vllm.server.gateway import ASGIApp, Receive, Scope, Send
+from kvrag_integrations.vllm.server.reuse_hook import Forget, ReuseHook
 from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def install(engine_client: Any) -> ReuseHook | None:
     if hook is not None:
         return hook
     from kvrag_integrations.vllm.config import CONNECTOR_CLASS, ConnectorSettings
-    from kvrag_integrations.vllm.gateway import KeyRing
+    from kvrag_integrations.vllm.keys import KeyRing
 
     _log_beside_vllm()
     config = engine_client.vllm_config

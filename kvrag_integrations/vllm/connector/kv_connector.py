@@ -35,10 +35,10 @@ from kvrag_integrations.vllm.config import (
     NO_BUDGET,
     ConnectorSettings,
 )
+from kvrag_integrations.vllm.connector.messages import KVRAGConnectorMetadata, KVRAGWorkerMetadata
+from kvrag_integrations.vllm.connector.scheduler_side import SchedulerSide
+from kvrag_integrations.vllm.connector.worker_side import WorkerSide
 from kvrag_integrations.vllm.identity import connector_fingerprints, model_folder, rank_layout
-from kvrag_integrations.vllm.messages import KVRAGConnectorMetadata, KVRAGWorkerMetadata
-from kvrag_integrations.vllm.scheduler_side import SchedulerSide
-from kvrag_integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +79,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from kvrag_integrations.vllm.gateway import KeyRing
+            from kvrag_integrations.vllm.keys import KeyRing
 
             policy = self.settings.policy(KeyRing.from_env())
             self._scheduler = SchedulerSide(

@@ -67,9 +67,9 @@ from kvrag_integrations.vllm.config import (
     DEFAULT_NAMESPACE_SHARE,
     parse_store_bytes,
 )
-from kvrag_integrations.vllm.gateway import KEYS_ENV, KeyFile
+from kvrag_integrations.vllm.keys import KEYS_ENV, KeyFile, namespace_quotas
 from kvrag_integrations.vllm.launch import platform_env, server_command
-from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV, Tenant
+from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV
 
 # Chat templates shipped in the package, by the name ``--chat-template`` takes.
 CHAT_TEMPLATES = {"chatml-tools": "chatml_tools.jinja"}
@@ -81,7 +81,7 @@ def chat_template_path(name: str) -> str:
     Raises:
         KeyError: no template of that name is shipped.
     """
-    data = Path(__file__).resolve().parent.parent / "data"
+    data = Path(__file__).resolve().parents[2] / "data"
     return str(data / CHAT_TEMPLATES[name])
 
 
@@ -200,18 +200,6 @@ def _budget_arg(text: str) -> int | str:
         return parse_store_bytes(text)
     except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def namespace_quotas(keys: KeyFile) -> dict[str, int]:
-    """The connector's ``namespace_quotas``: every key namespace (by its id: the
-    digest its entries are keyed by) with its keys' quota (0: the default share)."""
-    secret = b"ids-do-not-depend-on-it"  # a namespace's id is not keyed by the secret
-    quotas = {}
-    for grant in keys.keys.values():
-        name = grant.namespace
-        tenant_id = Tenant.of_key_namespace(name, secret).namespace if name else ""
-        quotas[tenant_id] = keys.quotas.get(name, 0)
-    return quotas
 
 
 def _size_budget(store: str) -> int | str:
