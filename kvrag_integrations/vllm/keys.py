@@ -18,6 +18,8 @@ callers without a listed key (``"none"``: they are refused).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -138,3 +140,37 @@ def namespace_quotas(keys: KeyFile) -> dict[str, int]:
         tenant_id = Tenant.of_key_namespace(name, secret).namespace if name else ""
         quotas[tenant_id] = keys.quotas.get(name, 0)
     return quotas
+
+
+API_KEYS_ENV = "KVRAG_API_KEYS"
+"""The SHA-256 digests of vLLM's ``--api-key`` keys, a JSON list (``serve`` sets it):
+the gateway guards every route by them, not only vLLM's ``/v1`` ones."""
+
+
+class ApiKeys:
+    """vLLM's ``--api-key`` keys (and ``$VLLM_API_KEY``), by digest: whoever holds one
+    passes the gateway as a caller of the shared namespace."""
+
+    def __init__(self, digests: set[bytes]) -> None:
+        self.digests = digests
+
+    @classmethod
+    def from_env(cls) -> ApiKeys | None:
+        """The keys ``serve`` passed (``$KVRAG_API_KEYS``) and ``$VLLM_API_KEY``
+        (None: neither)."""
+        digests = {bytes.fromhex(d) for d in json.loads(os.environ.get(API_KEYS_ENV) or "[]")}
+        if os.environ.get("VLLM_API_KEY"):
+            digests.add(hashlib.sha256(os.environ["VLLM_API_KEY"].encode()).digest())
+        return cls(digests) if digests else None
+
+    @staticmethod
+    def digest_of(key: str) -> str:
+        """What ``$KVRAG_API_KEYS`` lists for ``key``."""
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    def holds(self, key: str) -> bool:
+        digest = hashlib.sha256(key.encode()).digest()
+        found = False
+        for known in self.digests:  # (every one compared: the time says nothing)
+            found |= hmac.compare_digest(digest, known)
+        return found

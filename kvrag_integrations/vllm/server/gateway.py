@@ -1,46 +1,31 @@
-"""The OpenAI server's door: API keys that map to tenants, and the grants that say so.
+"""The OpenAI server's door: every HTTP request passes it before any of vLLM's routes.
 
-``serve`` always installs this ASGI middleware (vLLM's ``--middleware``); it
-does one job. (Finding stored passages in plain requests is installed at
-startup by ``startup.ReuseInstaller``.)
+``serve`` always installs this ASGI middleware (vLLM's ``--middleware``). It
+does three things, in this order:
 
-- **Every request loses any grant its client sent** (keyed or not): only this
-  middleware and the server's hook sign grants.
-- **With ``serve --tenant-keys``** it looks the request's bearer key up in the
-  operator's key file. Where the file admits no anonymous caller
-  (``"anonymous": "none"``), every route answers 401 without a listed key, but
-  the few that reach no model (``OPEN_ROUTES``: health, metrics, version): an
-  allow-list, so a route a later vLLM adds is guarded too. A keyed request to a
-  route that generates (``_REWRITTEN``, ``/invocations`` included) gets its
-  tenant:
+1. **Who may reach what.** A request's bearer key is looked up in the
+   operator's key file (``serve --tenant-keys``: ``keys.KeyRing``, read again
+   when it changes) and among vLLM's own ``--api-key`` keys (``keys.ApiKeys``),
+   alike. Only ``OPEN_ROUTES`` (health, ping, version: they reach no model and
+   count nobody's traffic) need no key. Every other route (an allow-list, so a
+   route a later vLLM adds is guarded too) answers 401 without a key where the
+   key file says ``"anonymous": "none"`` or ``--api-key`` is given. vLLM's
+   ``/metrics`` counts every caller's traffic (prefix-cache queries and hits
+   among it): it needs an admin key of the key file, unless the operator opens
+   it (``serve --open-metrics``); at the defaults nobody reads it.
+2. **Bad input is a 4xx, here.** A JSON body is read whole (more than
+   ``MAX_BODY`` bytes: 413) and its fields the server acts on are checked once
+   (``arrival.read_body``: 400 with the reason); the model never sees it.
+3. **One admission per request** (``admission.ClientPolicy.admit``): the key's
+   tenant and role, or the client's own ``cache_salt``, or an anonymous
+   request's own salt and private namespace. It rides with the request's
+   handling (``arrival.ARRIVAL``) to the server's hook, which signs it into what
+   the connector reads and sets the request's salt; the body reaches vLLM as
+   the client sent it.
 
-  - our ``kv_transfer_params["kvrag"]`` get a ``grant`` (the key's namespace
-    and role, bound to the key by its digest, signed with the server's secret:
-    ``trust.Grant``), and lose any ``tenant`` the client sent;
-  - ``cache_salt`` becomes the one the connector derives for that tenant and
-    the request's load layout (``trust.request_salt``), so vLLM's prefix cache
-    keeps the tenant's blocks apart too;
-  - params of ours that do not parse are dropped: the request runs exactly.
-
-  The key file is read again when it changes: a key removed from it (or given
-  another namespace or role) is revoked at once, and the grants signed for it
-  stop counting in the connector and the hook, which read the same file
-  (``KeyRing``, ``trust.ClientPolicy.keys``).
-
-Requests without a key (where admitted) keep their body, less any grant: the
-server's hook gives each a salt of its own (``trust.Grant.anonymous``).
-
-The key file (JSON)::
-
-    {"keys": {"sk-team-a": {"namespace": "team-a", "role": "write"},
-              "sk-ops": {"namespace": "", "role": "admin"}},
-     "anonymous": "read"}
-
-``namespace`` "" is the shared one; a key may add ``"quota_bytes": N``, the
-most its namespace may hold in the store (the largest of its keys'; default: a
-share of the budget, ``serve --namespace-share``); ``anonymous``: the role of callers without
-a listed key (``"none"``: they are refused); it is passed to the connector as
-its ``client_role``.
+The policy is the connector's own (its settings, read from the server's vLLM
+config by ``startup.ReuseInstaller``, which runs first); a server without our
+connector gets the key checks only.
 """
 
 from __future__ import annotations
@@ -52,20 +37,17 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
-from kvrag_integrations.vllm.keys import KEYS_ENV, KeyRing
-from kvrag_integrations.vllm.params import PARAMS_KEY, TransferParams
-from kvrag_integrations.vllm.trust import (
-    Grant,
-    Tenant,
-    request_salt,
-)
+from kvrag_integrations.vllm.admission import ClientPolicy
+from kvrag_integrations.vllm.keys import KEYS_ENV, ApiKeys, KeyRing
+from kvrag_integrations.vllm.server.arrival import ARRIVAL, Arrival, BadRequest, read_body
+from kvrag_integrations.vllm.trust import Grant, stricter
 
 logger = logging.getLogger(__name__)
 
-OPEN_ROUTES = frozenset({"/health", "/ping", "/metrics", "/version"})
-"""The routes that need no key: they reach no model. Every other one does."""
-_REWRITTEN = ("/completions", "/chat/completions", "/responses", "/invocations")
-_MAX_BODY = 64 * 2**20  # a request body read whole to rewrite it
+OPEN_ROUTES = frozenset({"/health", "/ping", "/version"})
+"""The routes that need no key: they reach no model and count no one's traffic."""
+METRICS = "/metrics"  # vLLM mounts its Prometheus app at every path starting with it
+MAX_BODY = 64 * 2**20  # a request body read whole to check it
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -73,96 +55,93 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+POLICY_STATE = "kvrag_policy"
+"""Where ``startup.ReuseInstaller`` leaves the server's ``ClientPolicy`` (``app.state``)."""
+OPEN_METRICS_STATE = "kvrag_open_metrics"
+"""Where it leaves whether ``/metrics`` is open to anyone (``app.state``)."""
+
 
 class TenantGateway:
-    """ASGI middleware (vLLM's ``--middleware``): API keys decide tenants and rights.
+    """ASGI middleware (vLLM's ``--middleware``): see the module docstring.
 
-    Configured from the environment (``$KVRAG_TENANT_KEYS``, ``$KVRAG_SERVER_SECRET``)
-    since vLLM builds it with no arguments.
+    Configured from the environment (``$KVRAG_TENANT_KEYS``, ``$KVRAG_API_KEYS``,
+    ``$KVRAG_SERVER_SECRET``) and the app's state, since vLLM builds it with no
+    arguments.
     """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.ring: KeyRing | None = None
-        if os.environ.get(KEYS_ENV):
-            self.ring = KeyRing.from_env()
-            if self.ring is None:
-                raise RuntimeError("TenantGateway needs $KVRAG_SERVER_SECRET (serve sets one)")
-            self.secret = self.ring.secret
+        self.ring = KeyRing.from_env()
+        if self.ring is None and os.environ.get(KEYS_ENV):
+            raise RuntimeError("TenantGateway needs $KVRAG_SERVER_SECRET (serve sets one)")
+        self.api_keys = ApiKeys.from_env()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope.get("type")
         if kind not in ("http", "websocket"):  # lifespan
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        grant = self.ring.grant(_bearer(scope)) if self.ring is not None else None
-        refused = self.ring is not None and self.ring.current().anonymous == "none"
-        if grant is None and refused and path not in OPEN_ROUTES:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "") or "")
+        state = getattr(scope.get("app"), "state", None)
+        policy: ClientPolicy | None = getattr(state, POLICY_STATE, None)
+        grant = self._grant(_bearer(scope), policy)
+        if not self._may_reach(path, grant, bool(getattr(state, OPEN_METRICS_STATE, False))):
             await _refuse(scope, send)
             return
-        if kind != "http" or scope.get("method") != "POST" or not _json_body(scope):
-            await self.app(scope, receive, send)
-            return
-        body = await _read_body(receive)
-        if body is None:
-            await _answer(send, 413, {"error": "request body too large"})
-            return
-        if grant is not None and path.endswith(_REWRITTEN):
-            body = self.rewrite(body, grant)
-        else:
-            body = strip_grant(body)
-        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
-        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        await self.app(scope, _replay(body, receive), send)
-
-    def rewrite(self, body: bytes, grant: Grant) -> bytes:
-        """The body of a keyed request with its tenant's grant and salt."""
+        body = None
+        if kind == "http" and scope.get("method") == "POST" and _json_body(scope):
+            body = await _read_body(scope, receive)
+            if body is None:
+                await _answer(send, 413, f"the request body is over {MAX_BODY} bytes")
+                return
         try:
-            data = json.loads(body)
-        except ValueError:
-            return body  # vLLM answers a body that is not JSON
-        if not isinstance(data, dict):
-            return body
-        tenant: Tenant = grant.tenant(self.secret)
-        transfer = data.get("kv_transfer_params")
-        params = None
-        if isinstance(transfer, dict) and PARAMS_KEY in transfer:
-            try:
-                params = TransferParams.from_request(transfer)
-            except TransferParamsError:
-                transfer = {k: v for k, v in transfer.items() if k != PARAMS_KEY}
-                data["kv_transfer_params"] = transfer  # runs exactly, as plain vLLM
-        # Every keyed request carries its grant: the server's detection of stored
-        # passages (``reuse_hook``) reads the tenant from it, as the connector does.
-        ours = dict(transfer[PARAMS_KEY]) if params is not None else {}  # type: ignore[index]
-        ours.pop("tenant", None)
-        ours["grant"] = grant.signed(self.secret)
-        others = transfer if isinstance(transfer, dict) else {}
-        data["kv_transfer_params"] = {**others, PARAMS_KEY: ours}
-        # (a request without a load carries the tenant's exact salt: its exact
-        # blocks stay apart from other tenants' in vLLM's cache)
-        salt = request_salt(tenant, params.layout if params is not None else [])
-        if salt is None:
-            data.pop("cache_salt", None)
-        else:
-            data["cache_salt"] = salt
-        return json.dumps(data).encode()
+            arrival = read_body(body) if body is not None else Arrival()
+            if policy is not None:
+                tenant_salt = arrival.params.tenant if arrival.params is not None else ""
+                role = self.anonymous_role(policy)
+                admission = policy.admit(grant, arrival.cache_salt, tenant_salt, role)
+                arrival = Arrival(arrival.cache_salt, arrival.params, admission)
+        except (BadRequest, TransferParamsError) as exc:
+            await _answer(send, 400, str(exc))
+            return
+        token = ARRIVAL.set(arrival)
+        try:
+            await self.app(scope, _replay(body, receive) if body is not None else receive, send)
+        finally:
+            ARRIVAL.reset(token)
 
+    def _grant(self, key: str, policy: ClientPolicy | None) -> Grant | None:
+        """What the bearer key grants (None: no listed key): the key file's entry, or
+        for one of ``--api-key``'s, the shared namespace under the callers' role."""
+        if not key:
+            return None
+        if self.ring is not None:
+            grant = self.ring.grant(key)
+            if grant is not None:
+                return grant
+        if self.api_keys is not None and self.api_keys.holds(key):
+            role = policy.client_role if policy is not None else "read"
+            return Grant("", role)
+        return None
 
-def strip_grant(body: bytes) -> bytes:
-    """``body`` without a grant in its ``kv_transfer_params["kvrag"]`` (unchanged
-    where it has none, or is not a JSON object)."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body
-    transfer = data.get("kv_transfer_params") if isinstance(data, dict) else None
-    ours = transfer.get(PARAMS_KEY) if isinstance(transfer, dict) else None
-    if not isinstance(ours, dict) or "grant" not in ours:
-        return body
-    ours.pop("grant")
-    return json.dumps(data).encode()
+    def _may_reach(self, path: str, grant: Grant | None, open_metrics: bool) -> bool:
+        if path in OPEN_ROUTES:
+            return True
+        if path.startswith(METRICS):
+            return open_metrics or (grant is not None and grant.role == "admin")
+        if grant is not None:
+            return True
+        closed = self.api_keys is not None or (
+            self.ring is not None and self.ring.current().anonymous == "none"
+        )
+        return not closed
+
+    def anonymous_role(self, policy: ClientPolicy) -> str:
+        """The role of a caller without a key: the operator's ``--client-role``, or
+        the key file's ``anonymous`` where that is stricter."""
+        if self.ring is None or self.ring.current().anonymous == "none":
+            return policy.client_role
+        return stricter(policy.client_role, self.ring.current().anonymous)
 
 
 def _json_body(scope: Scope) -> bool:
@@ -182,13 +161,18 @@ def _bearer(scope: Scope) -> str:
     return ""
 
 
-async def _read_body(receive: Receive) -> bytes | None:
+async def _read_body(scope: Scope, receive: Receive) -> bytes | None:
+    """The whole body (None: over ``MAX_BODY``, said or sent)."""
+    for name, value in scope.get("headers", []):
+        said = value.strip()
+        if name.lower() == b"content-length" and said.isdigit() and int(said) > MAX_BODY:
+            return None
     chunks, size = [], 0
     while True:
         message = await receive()
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > _MAX_BODY:
+        if size > MAX_BODY:
             return None
         chunks.append(chunk)
         if not message.get("more_body", False):
@@ -196,7 +180,7 @@ async def _read_body(receive: Receive) -> bytes | None:
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
-    """The rewritten body, then the client's own messages (a stream learns of its
+    """The body read, then the client's own messages (a stream learns of its
     client's disconnect from them)."""
     sent = False
 
@@ -214,11 +198,11 @@ async def _refuse(scope: Scope, send: Send) -> None:
     if scope.get("type") == "websocket":
         await send({"type": "websocket.close", "code": 1008})  # policy violation (HTTP 403)
         return
-    await _answer(send, 401, {"error": "Unauthorized"})
+    await _answer(send, 401, "Unauthorized")
 
 
-async def _answer(send: Send, status: int, content: dict[str, Any]) -> None:
-    payload = json.dumps(content).encode()
+async def _answer(send: Send, status: int, message: str) -> None:
+    payload = json.dumps({"error": {"message": message, "code": status}}).encode()
     length = str(len(payload)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", length)]
     await send({"type": "http.response.start", "status": status, "headers": headers})

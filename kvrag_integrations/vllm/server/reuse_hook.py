@@ -1,43 +1,37 @@
-"""Reuse for plain OpenAI clients: the server plans what a ``VLLMEngine`` client would.
+"""Every request that reaches the model: its admission signed in, its salt, and reuse.
 
 vLLM's OpenAI server renders a chat or completion request, tokenizes it, and
 hands the token ids to its engine client's ``generate``. ``ReuseHook`` wraps
 that one method (installed at the server's startup on its own engine client,
-``startup.install``), so every route that reaches the
-model passes it. First it gives an anonymous request (no key's grant, no salt
-of its own) a salt and grant of its own (``trust.Grant.anonymous``): it reads
-what writers stored, and shares no prefix block with any other caller. Then,
-with detection on, before the request reaches the engine, it finds the
-stored passages in its token ids (``detection``), and writes the connector's
-``kv_transfer_params`` and the ``cache_salt`` a load of that layout must carry
-(``trust.request_salt``). From there on the request is an ordinary one: the
-connector admits it under ``trust``'s rules, vLLM streams, samples, parses
-tools and structured output as always, and ``usage.prompt_tokens_details``
-counts what was loaded.
+``startup.install``), so every route that reaches the model passes it.
 
-A request passes through untouched (exactly as plain vLLM, its prefix caching
-intact) where it carries our params already (a ``VLLMEngine`` client), opts
-out (``"kv_transfer_params": {"kvrag": {"detect": false}}``), asks for prompt
+1. **Admission.** The request's admission was made where it entered
+   (``gateway``; ``arrival.current``); the hook makes one only for a request
+   that did not pass the gateway (a server started without it), from what the
+   request carries, with no key. It signs it into the connector's
+   ``kv_transfer_params`` and sets the request's ``cache_salt`` to the one a
+   load of its layout must carry (``trust.request_salt``), before anything
+   else: whatever happens next, the request never runs without the salt the
+   server chose. A prompt that cannot carry a salt is refused (HTTP 400).
+2. **Reuse.** With detection on, it finds the stored passages in the request's
+   token ids (``detection``) and writes the load a ``VLLMEngine`` client would
+   have asked for. From there on the request is an ordinary one: the connector
+   admits it, vLLM streams, samples, parses tools and structured output as
+   always, and ``usage.prompt_tokens_details`` counts what was loaded.
+
+Detection is skipped (the request then runs exactly, under its salt) where the
+request carries a plan of its own (a ``VLLMEngine`` client), opts out
+(``"kv_transfer_params": {"kvrag": {"detect": false}}``), asks for prompt
 log-probabilities (rows loaded from storage have none), uses a LoRA adapter or
 multimodal input (entries hold the base model's text K/V), or where nothing
 stored is found; the reason is logged at debug level.
 
-Learning runs under the request's own tenant and rights
-(``trust.ClientPolicy.may_learn``): the server learns only into a tenant's own
-namespace (an API key's or a ``cache_salt``'s), never into the shared one that
-every caller reads, unless the operator lets anonymous callers share
-(``--share-anonymous-prompts``); a caller that may not store entries teaches
-the server nothing (it reuses what writers stored).
-
-Passages after a longer unknown text (an agent's second model call: the system
-prompt, a new question and the model's tool call, then the passages its tool
-returned) load only behind that text, computed exactly from position 0
-(``Detection.prefix``). In a tenant's own namespace it is learned as glue. An
-anonymous request's prefix is private text: it is stored only for that request,
-as a private entry (``params`` ``private``: never indexed) whose ids end in a
-secret suffix drawn for the request (so no other caller can name its key; the
-rows before the suffix are the prefix's own, computed causally), read by the
-request as its first piece and deleted once it is answered.
+What is stored of what a request sent follows its admission: a tenant that
+keeps learns its prompts, glue and prefixes into its own namespace; a request
+with a private namespace (an anonymous caller) has its glue and prefix
+encoded for it alone (``detection.Own``: ids ending in a secret suffix drawn
+for the request, never indexed), reads them as its pieces, and they are
+deleted once it is answered; a reader stores nothing.
 """
 
 from __future__ import annotations
@@ -48,27 +42,44 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.matching import ContentIndex
+from kvrag_integrations.vllm.admission import Admission, ClientPolicy
 from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
-from kvrag_integrations.vllm.server.detection import Detection, Detector
-from kvrag_integrations.vllm.trust import ClientPolicy, Grant, Tenant, request_salt
+from kvrag_integrations.vllm.server.arrival import Arrival, BadRequest, current
+from kvrag_integrations.vllm.server.detection import Detector, Own
+from kvrag_integrations.vllm.trust import Tenant, request_salt
 
 logger = logging.getLogger(__name__)
 
-MAX_PENDING_LEARNS = 16  # background encodes in flight at once (more are dropped)
+MAX_BACKGROUND_ENCODES = 16  # a tenant's encodes in flight at once (more are dropped)
 GLUE_WAIT_S = 5.0  # the longest a request waits for its glue to be stored
-# ... and for its private prefix: computed anyway, so waiting costs nothing, but
-# giving up computes it twice
+# ... and for its prefix: computed anyway, so waiting costs nothing, but giving up
+# computes it twice
 PREFIX_WAIT_S = 120.0
-LEARN_WAIT_S = 3.0  # ... and for a prompt this server is storing that would serve it
-SECRET_TAIL_TOKENS = 24  # a private prefix's secret suffix (ids drawn from its prompt)
+STORED_WAIT_S = 3.0  # ... and for a prompt this server is storing that would serve it
+SECRET_TAIL_TOKENS = 24  # a private entry's secret suffix (ids drawn from its prompt)
 
 Forget = Callable[[Tenant, Sequence[int]], None]
-"""Deletes a tenant's entry of these ids from the store (every rank's)."""
+"""Deletes an entry of these ids in a namespace (every rank's)."""
+
+
+@dataclass
+class _Request:
+    """One request as the hook sees it: what vLLM hands on, and its arrival."""
+
+    prompt: dict[str, Any]
+    sampling_params: Any
+    kwargs: Mapping[str, Any]
+    arrival: Arrival
+    admission: Admission
+    request_id: str
+
+    @property
+    def params(self) -> TransferParams:
+        return self.arrival.params or TransferParams()
 
 
 class ReuseHook:
@@ -77,12 +88,12 @@ class ReuseHook:
     Args:
         generate: the engine client's own ``generate``.
         detector: plans loads from the content index (None: detection is off;
-            anonymous requests still get salts of their own).
-        policy: the connector's client policy (tenants and roles, as it applies them).
-        sampling_params: makes the sampling parameters of a background encode
-            (default: vLLM's ``SamplingParams``).
-        forget: deletes a private prefix's entry once its request is answered
-            (None: the store's budget evicts it).
+            requests are still admitted and salted).
+        policy: the server's client policy (admissions, and their signing secret).
+        sampling_params: makes the sampling parameters of an encode (default:
+            vLLM's ``SamplingParams``).
+        forget: deletes a request's private entries once it is answered (None:
+            the store's budget evicts them).
     """
 
     def __init__(
@@ -98,7 +109,7 @@ class ReuseHook:
         self.detector = detector
         self.policy = policy
         self.sampling_params = sampling_params or _vllm_sampling_params
-        self._learning: dict[str, asyncio.Task[None]] = {}
+        self._encoding: dict[str, asyncio.Task[bool]] = {}  # a tenant's encodes, by key
         # prompts this server asked to store whole, until the index has them
         self._pending: dict[tuple[str, int], tuple[str, list[int], float]] = {}
         self._pending_index = ContentIndex()
@@ -106,137 +117,161 @@ class ReuseHook:
     async def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
-        private = None
+        request = self.admit(prompt, sampling_params, kwargs, request_id)
+        self._write(request, request.params)  # its salt, before anything can fail
+        own: list[tuple[asyncio.Task[bool], list[int]]] = []
         try:
-            private = await self.prepare(prompt, sampling_params, kwargs, request_id)
-        except Exception:  # never a crash here: the request then runs as plain vLLM
-            logger.exception("request %s: reuse not planned; runs as plain vLLM", request_id)
+            await self.prepare(request, own)
+        except Exception:  # never a crash here: the request then runs exactly, salted
+            logger.exception("request %s: reuse not planned; runs exactly", request_id)
         try:
             async for output in self.generate_inner(
                 prompt, sampling_params, request_id, *args, **kwargs
             ):
                 yield output
         finally:
-            if private is not None and self.forget is not None:  # its own, used: dropped
-                loop = asyncio.get_running_loop()
-                loop.run_in_executor(None, self.forget, *private)
+            for task, ids in own:  # its own entries, used: dropped once stored
+                task.add_done_callback(lambda _, ids=ids: self._forget(request.admission, ids))
+
+    def admit(
+        self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any], request_id: str = ""
+    ) -> _Request:
+        """The request with its admission: the gateway's, or (a request that did
+        not pass the gateway) one made here from what it carries, with no key.
+
+        Raises:
+            BadRequest: a prompt that cannot carry a salt (not a dict), or params of
+                ours that do not parse.
+        """
+        if not isinstance(prompt, dict):
+            raise BadRequest(f"a prompt of type {type(prompt).__name__} cannot be admitted")
+        arrival = current()
+        if arrival is None or arrival.admission is None:
+            extra = getattr(sampling_params, "extra_args", None) or {}
+            transfer = extra.get("kv_transfer_params") if isinstance(extra, Mapping) else None
+            params = TransferParams.from_request(transfer)  # (TransferParamsError: a 400)
+            if params is not None and params.admission is not None:
+                raise BadRequest("an admission is the server's to write, not a client's")
+            salt = prompt.get("cache_salt")
+            tenant = params.tenant if params is not None else ""
+            admission = self.policy.admit(None, salt, tenant)
+            arrival = Arrival(salt, params, admission)
+        assert arrival.admission is not None
+        return _Request(prompt, sampling_params, kwargs, arrival, arrival.admission, request_id)
 
     # ------------------------------------------------------------ planning
     async def prepare(
-        self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any], request_id: str = ""
-    ) -> tuple[Tenant, list[int]] | None:
-        """Rewrite ``prompt``'s salt and ``sampling_params``' transfer params in place
-        (nothing, where the request passes through). Returns the private entry it
-        stored for the request (its tenant and ids), to be dropped after it."""
-        self._isolate(prompt, sampling_params)
-        if self.detector is None:
-            return None
-        why, ids, params = self._eligible(prompt, sampling_params, kwargs)
+        self, request: _Request, own: list[tuple[asyncio.Task[bool], list[int]]]
+    ) -> None:
+        """Find stored passages and rewrite the request's load and salt (nothing,
+        where it runs exactly); ``own`` gets the request's private entries."""
+        why, ids = self._eligible(request)
         if why:
-            logger.debug("%s: runs as plain vLLM: %s", request_id, why)
-            return None
-        assert ids is not None and params is not None
-        try:
-            tenant, role = self.policy.tenant_and_role(
-                params.tenant, params.grant, prompt.get("cache_salt"), False
-            )
-        except TransferParamsError as exc:
-            logger.debug("%s: runs as plain vLLM: %s", request_id, exc)
-            return None
-        may_learn = self.policy.may_learn(tenant, role)
-        # In the shared namespace (nothing learned), glue is encoded by every request:
-        # none then takes another course for what others sent before it.
-        fresh_glue = not may_learn and role != "read"
-        fingerprint = tenant.fingerprint(self.detector.base_fingerprint)
-        detection = self.detector.detect(fingerprint, ids, may_learn, fresh_glue)
-        # An unknown prefix before found passages that is not learned (the shared
-        # namespace): stored for this request alone, under a secret suffix.
-        private = None
-        if detection.prefix and not may_learn and role != "read":
-            private = PieceSpec(0, detection.prefix, _secret_tail(ids[: detection.prefix]))
-        if detection.glue or private is not None:
-            # Glue no entry holds yet (a template's separator between passages) would
-            # stop the load at the first seam: a step of a few tokens stores it, then
-            # the request is planned again.
-            learned = [self._learn(span, tenant, params) for span in detection.glue]
-            own = None
-            if private is not None:
-                own = self._learn(tuple(private.entry_ids(ids)), tenant, params, private=True)
-                learned.append(own)
-            waiting = [task for task in learned if task is not None]
+            logger.debug("%s: runs exactly: %s", request.request_id, why)
+            return
+        assert self.detector is not None
+        admission = request.admission
+        fingerprint = admission.tenant.fingerprint(self.detector.base_fingerprint)
+        mine = None
+        if admission.private is not None:
+            private = admission.private.fingerprint(self.detector.base_fingerprint)
+            mine = Own(private, _secret_tail(ids))
+        detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
+        if detection.glue:
+            # Text no entry holds yet between (or before) found passages would stop
+            # the load there: a step of a few tokens stores it (in the tenant's
+            # namespace, or the request's own), then the request is planned again.
+            head = tuple(ids[: detection.prefix]) if detection.prefix else None
+            tasks = {span: self._encode(span, request, mine) for span in detection.glue}
+            waiting = {span: task for span, task in tasks.items() if task is not None}
+            if mine is not None:
+                own += [(task, [*span, *mine.tail]) for span, task in waiting.items()]
             if waiting:
-                await asyncio.wait(waiting, timeout=GLUE_WAIT_S)
-                if own is not None and not own.done():
-                    await asyncio.wait([own], timeout=PREFIX_WAIT_S)
-                if own is None or not own.done():
-                    private = None
-                detection = self.detector.detect(fingerprint, ids, may_learn, prefix=private)
-        if self._pending and await self._await_learning(fingerprint, ids, detection.load_end):
-            detection = self.detector.detect(fingerprint, ids, may_learn)
+                await asyncio.wait(waiting.values(), timeout=GLUE_WAIT_S)
+                if head in waiting and not waiting[head].done():
+                    await asyncio.wait([waiting[head]], timeout=PREFIX_WAIT_S)
+            if mine is not None:
+                done = {span for span, task in waiting.items() if _stored(task)}
+                mine = replace(mine, ready=frozenset(done))
+            detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
+        if self._pending and await self._await_stored(fingerprint, ids, detection.load_end):
+            detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
         logger.debug(
             "%s: %d of %d tokens from storage (%s)%s",
-            request_id,
+            request.request_id,
             detection.load_end,
             len(ids),
             detection.reason,
             "; its prompt is learned" if detection.learn_prompt and not detection.load else "",
         )
-        for span in detection.learn:
-            self._learn(span, tenant, params)
+        for span in detection.remainder:
+            self._encode(span, request, None)
         if detection.load:
-            self._rewrite(prompt, sampling_params, tenant, params, detection)
+            self._write(request, replace(request.params, load=detection.load))
         elif detection.learn_prompt:
-            learned = replace(params, save=(PieceSpec(0, len(ids)),), learn=True)
-            self._rewrite(prompt, sampling_params, tenant, learned, None)
+            learned = replace(request.params, save=(PieceSpec(0, len(ids)),), deferred=True)
+            self._write(request, learned)
             self._pending_add(fingerprint, ids)
-        return None if private is None else (tenant, private.entry_ids(ids))
 
-    def _isolate(self, prompt: Any, sampling_params: Any) -> None:
-        """An anonymous request's own salt and grant (``trust.Grant.anonymous``): it
-        reads the shared namespace, and no prefix block of it is anyone else's."""
+    def _eligible(self, request: _Request) -> tuple[str, list[int]]:
+        """Why detection does not run for the request ("" : it does), and its ids."""
+        prompt, params = request.prompt, request.params
+        ids = prompt.get("prompt_token_ids")
+        if self.detector is None:
+            return "detection is off", []
+        if prompt.get("type", "token") != "token":
+            return "not a token prompt (multimodal or embeddings)", []
+        if not isinstance(ids, list) or len(ids) < 2:
+            return "no prompt token ids", []
+        if request.kwargs.get("lora_request") is not None:
+            return "a LoRA adapter (entries hold the base model's K/V)", []
+        if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+            return "prompt log-probabilities (loaded rows have none)", []
+        if not params.detect:
+            return "the request opted out", []
+        if params.load or params.save:
+            return "it plans its own loads or saves (a VLLMEngine client)", []
+        return "", ids
+
+    def _write(self, request: _Request, params: TransferParams) -> None:
+        """The request's params as the connector reads them (its admission signed
+        in, no field of another connector's) and the salt its layout needs."""
         secret = self.policy.secret
-        if secret is None or not isinstance(prompt, dict):
-            return
-        extra = getattr(sampling_params, "extra_args", None) or {}
-        transfer = extra.get("kv_transfer_params") if isinstance(extra, Mapping) else None
-        if isinstance(transfer, Mapping) and set(transfer) - {PARAMS_KEY}:
-            return  # another connector's request
-        ours = transfer.get(PARAMS_KEY) if isinstance(transfer, Mapping) else None
-        try:
-            params = TransferParams.from_request({PARAMS_KEY: ours or {}})
-        except TransferParamsError:
-            params = None  # dropped: the request runs exactly, as plain vLLM
-        params = params or TransferParams()
-        salt = prompt.get("cache_salt")
-        if not self.policy.isolates(params.tenant, params.grant, salt, bool(params.load)):
-            return
-        grant = Grant.anonymous(self.policy.client_role)
-        params = replace(params, grant=grant.signed(secret))
-        prompt["cache_salt"] = request_salt(grant.tenant(secret), params.layout)
-        _set_params(sampling_params, params.as_request())
+        signed = request.admission.signed(secret) if secret is not None else None
+        params = replace(params, admission=signed, tenant="")
+        salt = request_salt(request.admission.tenant, params.layout)
+        if salt is None:
+            request.prompt.pop("cache_salt", None)
+        else:
+            request.prompt["cache_salt"] = salt
+        _set_params(request.sampling_params, params.as_request())
 
     # ------------------------------------- prompts being stored after their answer
     def _pending_add(self, fingerprint: str, ids: list[int]) -> None:
         now = time.monotonic()
         for key, (fp, entry, since) in list(self._pending.items()):
-            if now - since > LEARN_WAIT_S:  # stored by now, or dropped: forget it
+            if now - since > STORED_WAIT_S:  # stored by now, or dropped: forget it
                 del self._pending[key]
                 self._pending_index.remove(fp, entry)
-        if len(self._pending) < MAX_PENDING_LEARNS and self._pending_index.add(fingerprint, ids):
+        if len(self._pending) < MAX_BACKGROUND_ENCODES and self._pending_index.add(
+            fingerprint, ids
+        ):
             self._pending[(fingerprint, hash(tuple(ids)))] = (fingerprint, ids, now)
 
-    async def _await_learning(self, fingerprint: str, ids: list[int], loaded: int) -> bool:
-        """Wait (at most ``LEARN_WAIT_S``) for prompts this server is storing that
+    async def _await_stored(self, fingerprint: str, ids: list[int], loaded: int) -> bool:
+        """Wait (at most ``STORED_WAIT_S``) for prompts this server is storing that
         would serve more of ``ids`` than the store does now; True if one landed.
 
-        A learned prompt is stored after its answer (``params.learn``): a client
-        asking again at once would otherwise find nothing and teach it twice."""
+        A learned prompt is stored after its answer (``params.deferred``): a
+        client asking again at once would otherwise find nothing and teach it
+        twice. (Only a tenant's own: learned prompts are in its namespace.)"""
         runs = self._pending_index.cover(fingerprint, ids)
         covered = runs[0].end if runs and runs[0].start == 0 else 0
         waited = {tuple(r.entry) for r in runs}
         if covered <= loaded or not waited:
             return False
-        deadline = time.monotonic() + LEARN_WAIT_S
+        deadline = time.monotonic() + STORED_WAIT_S
+        assert self.detector is not None
         index = self.detector.index
         while time.monotonic() < deadline:
             refresh = getattr(index, "refresh", None)
@@ -251,103 +286,73 @@ class ReuseHook:
             await asyncio.sleep(0.02)
         return False
 
-    def _eligible(
-        self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any]
-    ) -> tuple[str, list[int] | None, TransferParams | None]:
-        """Why the request passes through ("" : it does not), its ids and params."""
-        if not isinstance(prompt, dict) or prompt.get("type", "token") != "token":
-            return "not a token prompt (multimodal or embeddings)", None, None
-        ids = prompt.get("prompt_token_ids")
-        if not isinstance(ids, list) or len(ids) < 2:
-            return "no prompt token ids", None, None
-        if kwargs.get("lora_request") is not None:
-            return "a LoRA adapter (entries hold the base model's K/V)", None, None
-        if getattr(sampling_params, "prompt_logprobs", None) is not None:
-            return "prompt log-probabilities (loaded rows have none)", None, None
-        extra = getattr(sampling_params, "extra_args", None) or {}
-        transfer = extra.get("kv_transfer_params") if isinstance(extra, Mapping) else None
-        if isinstance(transfer, Mapping) and set(transfer) - {PARAMS_KEY}:
-            return "kv_transfer_params of another connector", None, None
-        ours = transfer.get(PARAMS_KEY) if isinstance(transfer, Mapping) else None
-        try:
-            params = TransferParams.from_request({PARAMS_KEY: ours or {}})
-        except TransferParamsError as exc:
-            return f"its params do not parse ({exc})", None, None
-        assert params is not None
-        if not params.detect:
-            return "the request opted out", None, None
-        if params.load or params.save:
-            return "it plans its own loads or saves (a VLLMEngine client)", None, None
-        return "", ids, params
-
-    def _rewrite(
-        self,
-        prompt: dict[str, Any],
-        sampling_params: Any,
-        tenant: Tenant,
-        params: TransferParams,
-        detection: Detection | None,
-    ) -> None:
-        if detection is not None:
-            params = replace(params, load=detection.load)
-        if params.grant is None:  # the client's own tenant travels as the connector reads it
-            params = replace(params, tenant=tenant.salt or "")
-        salt = request_salt(tenant, params.layout)
-        if salt is None:
-            prompt.pop("cache_salt", None)
-        else:
-            prompt["cache_salt"] = salt
-        _set_params(sampling_params, params.as_request())
-
-    # ------------------------------------------------------------ learning
-    def _learn(
-        self, ids: tuple[int, ...], tenant: Tenant, params: TransferParams, private: bool = False
-    ) -> asyncio.Task[None] | None:
-        """Encode ``ids`` on their own in the background (as a chunk is): an entry
-        the next request with this glue or passage finds (``private``: one that is
-        not indexed). The task (None: too many in flight)."""
-        key = f"{tenant.namespace}:{hash(ids)}"
-        if key in self._learning:
-            return self._learning[key]
-        if len(self._learning) >= MAX_PENDING_LEARNS:
+    # ------------------------------------------------------------ encoding
+    def _encode(
+        self, span: tuple[int, ...], request: _Request, mine: Own | None
+    ) -> asyncio.Task[bool] | None:
+        """Encode ``span`` on its own (as a chunk is) and store it: in the request's
+        own namespace under its secret suffix (``mine``; never indexed, awaited by
+        the request alone), else in its tenant's namespace, where the tenant's
+        next request finds it (one encode per span at once, at most
+        ``MAX_BACKGROUND_ENCODES``). The task (True: stored; None: dropped)."""
+        admission = request.admission
+        ids = [*span, *mine.tail] if mine is not None else list(span)
+        save = TransferParams(save=(PieceSpec(0, len(ids)),), private=mine is not None)
+        if mine is not None:  # its own: no other request waits on it, nor is held up
+            return asyncio.get_running_loop().create_task(self._run_encode(ids, admission, save))
+        key = f"{admission.tenant.namespace}:{hash(span)}"
+        if key in self._encoding:
+            return self._encoding[key]
+        if len(self._encoding) >= MAX_BACKGROUND_ENCODES:
             return None
-        loop = asyncio.get_running_loop()
-        save = TransferParams(
-            save=(PieceSpec(0, len(ids)),),
-            tenant=tenant.salt or "" if params.grant is None else "",
-            grant=params.grant,
-            private=private,
-        )
-        task = loop.create_task(self._encode(list(ids), tenant.salt, save))
-        self._learning[key] = task
-        task.add_done_callback(lambda _: self._learning.pop(key, None))
+        task = asyncio.get_running_loop().create_task(self._run_encode(ids, admission, save))
+        self._encoding[key] = task
+        task.add_done_callback(lambda _: self._encoding.pop(key, None))
         return task
 
-    async def _encode(self, ids: list[int], salt: str | None, params: TransferParams) -> None:
+    async def _run_encode(
+        self, ids: list[int], admission: Admission, params: TransferParams
+    ) -> bool:
         prompt: dict[str, Any] = {"type": "token", "prompt_token_ids": ids}
+        secret = self.policy.secret
+        signed = admission.signed(secret) if secret is not None else None
+        params = replace(params, admission=signed)
+        salt = request_salt(admission.tenant, [])  # exact: its tenant's own salt
         if salt is not None:
             prompt["cache_salt"] = salt
         extra = {"kv_transfer_params": params.as_request()}
         sampling = self.sampling_params(max_tokens=1, extra_args=extra)
         # unique across the server's API processes (each has its own hook)
-        request_id = f"kvrag-learn-{uuid.uuid4().hex}"
+        request_id = f"kvrag-encode-{uuid.uuid4().hex}"
         try:
             async for _ in self.generate_inner(prompt, sampling, request_id):
                 pass
-        except Exception as exc:  # learning is best effort: the next request may teach it
-            logger.info("background encode %s failed: %s", request_id, exc)
+        except Exception as exc:  # best effort: the request then loads less
+            logger.info("encode %s failed: %s", request_id, exc)
+            return False
+        return True
+
+    def _forget(self, admission: Admission, ids: list[int]) -> None:
+        if self.forget is not None and admission.private is not None:
+            loop = asyncio.get_running_loop()
+            loop.run_in_executor(None, self.forget, admission.private, ids)
 
     async def drain(self) -> None:
-        """Wait for the background encodes in flight (tests, shutdown)."""
-        while self._learning:
-            await asyncio.gather(*list(self._learning.values()), return_exceptions=True)
+        """Wait for the tenants' encodes in flight (tests, shutdown)."""
+        while self._encoding:
+            await asyncio.gather(*list(self._encoding.values()), return_exceptions=True)
 
 
-def _secret_tail(prefix: Sequence[int]) -> tuple[int, ...]:
-    """Ids drawn at random from ``prefix`` (so the model's vocabulary has them): a
-    private entry's suffix, which no other caller can guess, so none can name it."""
+def _stored(task: asyncio.Task[bool]) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is None and task.result()
+
+
+def _secret_tail(prompt: Sequence[int]) -> tuple[int, ...]:
+    """Ids drawn at random from ``prompt`` (so the model's vocabulary has them): the
+    suffix of a request's own entries, which no other caller can guess, so none
+    can name them."""
     draw = secrets.SystemRandom()
-    return tuple(draw.choice(prefix) for _ in range(SECRET_TAIL_TOKENS))
+    return tuple(draw.choice(prompt) for _ in range(SECRET_TAIL_TOKENS))
 
 
 def _vllm_sampling_params(**kwargs: Any) -> Any:
@@ -356,10 +361,9 @@ def _vllm_sampling_params(**kwargs: Any) -> Any:
     return SamplingParams(**kwargs)
 
 
-def _set_params(sampling_params: Any, transfer: dict[str, Any] | None) -> None:
+def _set_params(sampling_params: Any, transfer: dict[str, Any]) -> None:
+    """Our params as the request's ``kv_transfer_params`` (another connector's
+    fields, which no connector of this server reads, are dropped)."""
     extra = dict(getattr(sampling_params, "extra_args", None) or {})
-    if transfer is None:
-        extra.pop("kv_transfer_params", None)
-    else:
-        extra["kv_transfer_params"] = transfer
-    sampling_params.extra_args = extra or None
+    extra["kv_transfer_params"] = {PARAMS_KEY: transfer[PARAMS_KEY]}
+    sampling_params.extra_args = extra

@@ -15,14 +15,18 @@ to vLLM as is::
 
 ``--print-command`` prints the command instead of running it.
 
-Every HTTP client is untrusted (docs/deployment.md, "On vLLM"): the connector
-admits a request only under the salt of its tenant and layout, lets it store
-only its whole prompt as one entry, and overwrite nothing. The operator's
-settings: ``--tenant-keys FILE`` (API keys mapped to tenants and roles:
-``gateway``), ``--client-role`` (what callers without such a key may do),
-``--max-store-bytes`` (the store's budget: sized from the store where not
-given, and said at start; ``none`` for no budget), ``--namespace-share`` (what
-each namespace may hold of it; a key's ``quota_bytes`` in the key file),
+Every HTTP client is untrusted (docs/deployment.md, "The server trusts no
+client"): each request is admitted once where it enters (``gateway``), and the
+connector lets it load only under the salt of its tenant and layout, store only
+its whole prompt as one entry, and overwrite nothing. The operator's settings:
+``--tenant-keys FILE`` (API keys mapped to tenants and roles), ``--api-key``
+(vLLM's, guarding every route as the key file's keys do), ``--client-role``
+(what callers without such a key may do; a key file's ``anonymous`` role
+applies where it is stricter), ``--open-metrics`` (``/metrics`` for anyone;
+by default only an admin key of the key file reads it), ``--max-store-bytes``
+(the store's budget: sized from the store where not given, and said at start;
+``none`` for no budget), ``--namespace-share`` (what each namespace may hold of
+it; a key's ``quota_bytes`` in the key file),
 ``--max-entry-tokens``.
 
 Plain OpenAI clients get reuse too (``reuse_hook``): the server finds stored
@@ -46,13 +50,14 @@ template string)::
     python -m kvrag_integrations.vllm.serve --store disk:/srv/kv \\
         --enable-auto-tool-choice --tool-call-parser hermes --chat-template chatml-tools
 
-``$KVRAG_SERVER_SECRET`` signs the gateway's grants (one is made per launch
-where unset).
+``$KVRAG_SERVER_SECRET`` signs each request's admission (one is made per
+launch where unset).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shlex
@@ -61,15 +66,16 @@ from pathlib import Path
 from kvrag_integrations.chunk_kv import PRECISIONS
 from kvrag_integrations.vllm.config import (
     AUTO_BUDGET,
+    DEFAULT_CLIENT_ROLE,
     DEFAULT_LEARN_MIN_TOKENS,
     DEFAULT_MAX_ENTRY_TOKENS,
     DEFAULT_MEMORY_TIER_BYTES,
     DEFAULT_NAMESPACE_SHARE,
     parse_store_bytes,
 )
-from kvrag_integrations.vllm.keys import KEYS_ENV, KeyFile, namespace_quotas
+from kvrag_integrations.vllm.keys import API_KEYS_ENV, KEYS_ENV, ApiKeys, KeyFile, namespace_quotas
 from kvrag_integrations.vllm.launch import platform_env, server_command
-from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV
+from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV, stricter
 
 # Chat templates shipped in the package, by the name ``--chat-template`` takes.
 CHAT_TEMPLATES = {"chatml-tools": "chatml_tools.jinja"}
@@ -112,10 +118,26 @@ def main(argv: list[str] | None = None) -> None:
         "--tenant-keys", default=None, help="JSON file: API keys -> tenant namespace and role"
     )
     parser.add_argument(
+        "--api-key",
+        nargs="+",
+        action="extend",
+        default=None,
+        help="vLLM's API keys: every route but /health, /ping and /version needs one "
+        "(holders are callers of the shared namespace with --client-role)",
+    )
+    parser.add_argument(
         "--client-role",
-        default="write",
+        default=DEFAULT_CLIENT_ROLE,
         choices=ROLES,
-        help="what callers without a tenant key may do (default: write = encode chunks)",
+        help="what callers without a tenant key may do (default: write = encode chunks; "
+        "a key file's stricter 'anonymous' role wins)",
+    )
+    parser.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="RISK: /metrics answers anyone; its counters (prefix-cache queries and hits "
+        "among them) move with every caller's requests, so a reader watches the "
+        "server's aggregate traffic. Default: only an admin key of the key file",
     )
     parser.add_argument(
         "--max-store-bytes",
@@ -162,12 +184,16 @@ def main(argv: list[str] | None = None) -> None:
     env.setdefault(SECRET_ENV, secrets.token_hex(32))
     role = args.client_role
     quotas: dict[str, int] = {}
-    if args.tenant_keys is not None:
-        if "--api-key" in rest:
+    if args.api_key:
+        if args.tenant_keys is not None:
             parser.error("with --tenant-keys, list every key in the key file, not --api-key")
+        env[API_KEYS_ENV] = json.dumps([ApiKeys.digest_of(key) for key in args.api_key])
+        rest = ["--api-key", *args.api_key, *rest]  # vLLM's own check stays too
+    if args.tenant_keys is not None:
         keys = KeyFile.load(args.tenant_keys)  # checked before vLLM starts
         env[KEYS_ENV] = str(Path(args.tenant_keys).resolve())
-        role = "read" if keys.anonymous == "none" else keys.anonymous
+        # the stricter of the two roles: a file's default "write" never widens --client-role
+        role = "read" if keys.anonymous == "none" else stricter(role, keys.anonymous)
         quotas = namespace_quotas(keys)
     if not 0 < args.namespace_share <= 1:
         parser.error("--namespace-share is in (0, 1]")
@@ -181,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         detect=not args.no_detect,
         learn_min_tokens=args.learn_min_tokens,
         share_anonymous=args.share_anonymous_prompts,
+        open_metrics=args.open_metrics,
         cache_precision=args.cache_precision,
         memory_tier_bytes=args.memory_tier_bytes,
         client_role=role,
