@@ -159,6 +159,7 @@ def test_a_right_and_a_wrong_guess_of_an_anonymous_callers_text_take_the_same_pa
     stored = Stored()
     for passage in PASSAGES:
         stored.put(passage)
+
     def forget(tenant: Tenant, entry) -> None:
         stored.keys.discard(cache_key(tenant.fingerprint(FP), list(entry)))
 
