@@ -8,8 +8,8 @@ model). Each request's rights are decided once where it enters, from these
 - **Tenants.** A request belongs to one namespace of entries: the shared one
   (what writers stored for every caller), the one of its ``cache_salt`` (vLLM's
   own tenant isolation; a secret its holders share), or the one an API key maps
-  to. Entries are keyed by the namespace, so a request can read, and learn of,
-  only its own namespace's entries.
+  to. Entries are keyed by the namespace, so a request can read, and find out
+  about, only its own namespace's entries.
 - **Salts.** A request loads stored pieces only under the ``cache_salt``
   derived here from its tenant and its load layout (``request_salt``): vLLM's
   prefix cache then keeps the approximate blocks a load leaves apart from every

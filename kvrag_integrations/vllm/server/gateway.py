@@ -180,7 +180,7 @@ async def _read_body(scope: Scope, receive: Receive) -> bytes | None:
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
-    """The body read, then the client's own messages (a stream learns of its
+    """The body read, then the client's own messages (a stream hears of its
     client's disconnect from them)."""
     sent = False
 
