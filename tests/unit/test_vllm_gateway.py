@@ -358,5 +358,12 @@ def test_serve_names_the_risks_and_the_stricter_role(
     assert '"client_role":"read"' in command and '"open_metrics":true' in command
     serve.main([*args, "--api-key", "sk-1", "sk-2"])
     assert "--api-key sk-1 sk-2" in capsys.readouterr().out  # vLLM's own check stays
+    seen = {}
+    monkeypatch.setattr(
+        "kvrag_integrations.vllm.server.serve.os.execvpe", lambda c, a, env: seen.update(env)
+    )
+    monkeypatch.setattr("kvrag_integrations.vllm.server.serve._size_budget", lambda store: 10**9)
+    serve.main(["--store", f"disk:{tmp_path}", "--", "--api-key", "sk-3"])  # after "--" too
+    assert json.loads(seen["KVRAG_API_KEYS"]) == [ApiKeys.digest_of("sk-3")]
     with pytest.raises(SystemExit):
         serve.main([*args, "--api-key", "sk-1", "--tenant-keys", str(keys)])

@@ -55,9 +55,9 @@ from kvrag_integrations.vllm.trust import Tenant, request_salt
 logger = logging.getLogger(__name__)
 
 MAX_BACKGROUND_ENCODES = 16  # a tenant's encodes in flight at once (more are dropped)
-GLUE_WAIT_S = 5.0  # the longest a request waits for its glue to be stored
-# ... and for its prefix: computed anyway, so waiting costs nothing, but giving up
-# computes it twice
+GLUE_WAIT_S = 5.0  # the longest a request waits for a tenant's glue to be stored
+# ... and for its prefix, or its own texts: computed anyway, so waiting costs
+# nothing, but giving up computes them twice
 PREFIX_WAIT_S = 120.0
 STORED_WAIT_S = 3.0  # ... and for a prompt this server is storing that would serve it
 SECRET_TAIL_TOKENS = 24  # a private entry's secret suffix (ids drawn from its prompt)
@@ -188,8 +188,11 @@ class ReuseHook:
                 own += [(task, [*span, *mine.tail]) for span, task in waiting.items()]
             if waiting:
                 await asyncio.wait(waiting.values(), timeout=GLUE_WAIT_S)
-                if head in waiting and not waiting[head].done():
-                    await asyncio.wait([waiting[head]], timeout=PREFIX_WAIT_S)
+                # a prefix, and a request's own texts, are awaited longer: giving up
+                # computes them twice, and its course would hang on the server's load
+                late = [t for s, t in waiting.items() if mine is not None or s == head]
+                if late and not all(task.done() for task in late):
+                    await asyncio.wait(late, timeout=PREFIX_WAIT_S)
             if mine is not None:
                 done = {span for span, task in waiting.items() if _stored(task)}
                 mine = replace(mine, ready=frozenset(done))

@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--print-command", action="store_true", help="print, do not run")
     args, rest = parser.parse_known_args(argv)
     rest = _packaged_templates([a for a in rest if a != "--"])
+    passed, rest = _api_keys(rest)  # (given after "--", for vLLM: ours all the same)
+    args.api_key = [*(args.api_key or []), *passed]
     env = {**platform_env(), **os.environ}
     env.setdefault(SECRET_ENV, secrets.token_hex(32))
     role = args.client_role
@@ -220,6 +222,28 @@ def main(argv: list[str] | None = None) -> None:
         print(shlex.join(command))
         return
     os.execvpe(command[0], command, env)
+
+
+def _api_keys(rest: list[str]) -> tuple[list[str], list[str]]:
+    """The ``--api-key`` values among vLLM's arguments, and the arguments without them.
+
+    Examples:
+        >>> _api_keys(["--api-key", "a", "b", "--port", "1", "--api-key=c"])
+        (['a', 'b', 'c'], ['--port', '1'])
+    """
+    keys, out, taking = [], [], False
+    for arg in rest:
+        if arg == "--api-key":
+            taking = True
+        elif arg.startswith("--api-key="):
+            keys.append(arg.split("=", 1)[1])
+            taking = False
+        elif taking and not arg.startswith("-"):
+            keys.append(arg)
+        else:
+            taking = False
+            out.append(arg)
+    return keys, out
 
 
 def _budget_arg(text: str) -> int | str:

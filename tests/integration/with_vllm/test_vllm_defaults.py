@@ -107,12 +107,14 @@ def faster_pairs(send: Any, right: Any, wrongs: list[Any]) -> tuple[int, list[fl
     return faster, times["right"], times["wrong"]
 
 
-def test_no_caller_confirms_a_guess_of_anothers_learned_prompt(defaults: Defaults) -> None:
+def test_no_caller_confirms_a_guess_of_anothers_learned_prompt(
+    defaults: Defaults, musique: Corpus
+) -> None:
     """Issue 47: a caller sent a secret among three passages; another guesses it.
     Right and wrong guesses get the same cached tokens and no oracle in time.
     Positive control: a caller of the victim's own tenant (its salt) tells them apart."""
-    # passages of their own: none ingested (the learned prompt is the only source)
-    own = [f"(learned {i}) {p}" for i, p in enumerate(defaults.passages)]
+    # passages none ingested (a learned prompt would be the only source)
+    own = musique.chunks(60, 3, tag="learned")
 
     def context(code: str, passages: list[str] = own) -> str:
         return "\n\n".join([passages[0], SECRET_LINE.format(code=code), *passages[1:]])
