@@ -12,7 +12,8 @@ of the file is revoked at once). The file (JSON)::
 
 ``namespace`` "" is the shared one; a key may add ``"quota_bytes": N``, the
 most its namespace may hold in the store (the largest of its keys'; default: a
-share of the budget, ``serve --namespace-share``); ``anonymous``: the role of
+share of the budget, ``serve --namespace-share``); a key's ``role`` and
+``anonymous`` default to ``config.DEFAULT_CLIENT_ROLE``; ``anonymous``: the role of
 callers without a listed key (``"none"``: they are refused).
 """
 
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrag_integrations.vllm.config import DEFAULT_CLIENT_ROLE
 from kvrag_integrations.vllm.trust import ROLES, Grant, Tenant, key_digest, server_secret
 
 logger = logging.getLogger(__name__)
@@ -56,18 +58,18 @@ class KeyFile:
             raise ValueError(f"{path}: expected {{'keys': {{KEY: {{namespace, role}}}}, ...}}")
         keys, quotas = {}, {}
         for key, entry in raw["keys"].items():
-            if not isinstance(entry, dict) or entry.get("role", "write") not in ROLES:
+            if not isinstance(entry, dict) or entry.get("role", DEFAULT_CLIENT_ROLE) not in ROLES:
                 raise ValueError(f"{path}: each key has a namespace and a role of {ROLES}")
             namespace = entry.get("namespace", "")
             if not isinstance(namespace, str):
                 raise ValueError(f"{path}: a namespace is a string")
-            keys[str(key)] = Grant(namespace, entry.get("role", "write"))
+            keys[str(key)] = Grant(namespace, entry.get("role", DEFAULT_CLIENT_ROLE))
             quota = entry.get("quota_bytes")
             if quota is not None:
                 if isinstance(quota, bool) or not isinstance(quota, int) or quota <= 0:
                     raise ValueError(f"{path}: quota_bytes is a number of bytes > 0")
                 quotas[namespace] = max(quota, quotas.get(namespace, 0))
-        anonymous = raw.get("anonymous", "write")
+        anonymous = raw.get("anonymous", DEFAULT_CLIENT_ROLE)
         if anonymous not in (*ROLES, "none"):
             raise ValueError(f"{path}: anonymous is one of {(*ROLES, 'none')}")
         return cls(keys, anonymous, quotas)
