@@ -142,6 +142,7 @@ class ReuseHook:
         Raises:
             BadRequest: a prompt that cannot carry a salt (not a dict), or params of
                 ours that do not parse.
+            TransferParamsError: a piece of its params beyond its prompt.
         """
         if not isinstance(prompt, dict):
             raise BadRequest(f"a prompt of type {type(prompt).__name__} cannot be admitted")
@@ -157,6 +158,9 @@ class ReuseHook:
             admission = self.policy.admit(None, salt, tenant)
             arrival = Arrival(salt, params, admission)
         assert arrival.admission is not None
+        ids = prompt.get("prompt_token_ids")
+        if arrival.params is not None and isinstance(ids, list):
+            arrival.params.check_prompt(len(ids))  # (a ValueError: vLLM answers 400)
         return _Request(prompt, sampling_params, kwargs, arrival, arrival.admission, request_id)
 
     # ------------------------------------------------------------ planning

@@ -91,13 +91,12 @@ class Target:
         return {int(t.rsplit(":", 1)[-1]): float(lp) for t, lp in top.items()}
 
     def exact(self, ids: list[int]) -> dict[int, float]:
-        """What a server no attacker reached answers to ``ids`` asked a second time:
-        under a salt of its own (no block of anyone else's), once to fill vLLM's
-        prefix cache with exact blocks, then again (served from them, as a victim's
-        request after an attacker's is: the same kernels, so the same numbers)."""
-        salt = f"exact-{uuid.uuid4().hex}"
-        self.first_logprobs(ids, salt)
-        return self.first_logprobs(ids, salt)
+        """What a server no attacker reached answers to ``ids``: computed afresh under a
+        salt of its own (no block of anyone else's), as the victims here are (an
+        anonymous caller's request, or a new tenant's, meets no cached block: the
+        same kernels, so the same numbers; a block served from vLLM's prefix cache
+        differs by up to 3e-5 on this CPU, a poisoned one by more than 1e-3)."""
+        return self.first_logprobs(ids, f"exact-{uuid.uuid4().hex}")
 
     def entry_ids(self, chunk: str) -> list[int]:
         return self.honest.prompts.chunks_to_encode([chunk], 10**6)[0][1].tolist()
@@ -359,7 +358,7 @@ DEEP = b'{"kv_transfer_params": ' + b'{"a": ' * 10_000 + b"1" + b"}" * 10_001
     "ours",
     [
         "load",
-        {"load": [[0, 10**9, []]]},
+        {"load": [[0, 10**9, []]]},  # (beyond the prompt: the hook sees its ids)
         {"load": [[0, 5, [-1]]]},
         {"save": [[0, 1, []]] * 5000},
         {"grant": "admin"},
@@ -461,16 +460,18 @@ TURNS = 5
 
 
 def chat_turns(target: Target, musique: Corpus, key: str | None, extra: dict) -> list[dict]:
-    """A five-turn chat of ~650-token user turns as a chat client sends it (the
+    """A five-turn chat of ~600-token user turns as a chat client sends it (the
     whole conversation each turn): each turn's usage; the messages grow in place."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{target.url}/v1", api_key=key or "none")
+    tokenizer = target.honest.tokenizer
     messages: list[dict] = extra.pop("messages")
     usages = []
     for turn in range(TURNS):
         if len(messages) < 2 * turn + 1:
-            text = "\n\n".join(musique.chunks(70 + turn, 2, tag=f"turn {turn}"))
+            text = "\n\n".join(musique.chunks(70 + turn, 3, tag=f"turn {turn}"))
+            text = tokenizer.decode(tokenizer(text)["input_ids"][:600])
             messages.append({"role": "user", "content": f"{text}\n\nWhat do these say?"})
         reply = client.chat.completions.create(
             model=target.model,
