@@ -234,7 +234,7 @@ def test_a_clients_own_admission_or_a_prompt_without_a_salt_is_refused() -> None
     with pytest.raises(TransferParamsError, match="must not start with 'kvrag-'"):
         run(hook, ids(100), salt="kvrag-anon-mine")  # (a ValueError: vLLM answers 400)
     beyond = {"kv_transfer_params": {PARAMS_KEY: {"load": [[0, 10**9, []]]}}}
-    with pytest.raises(TransferParamsError, match="beyond the 100-token prompt"):
+    with pytest.raises(BadRequest, match="beyond the 100-token prompt"):
         run(hook, ids(100), beyond)
 
 

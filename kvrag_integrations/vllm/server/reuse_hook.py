@@ -45,6 +45,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.matching import ContentIndex
 from kvrag_integrations.vllm.admission import Admission, ClientPolicy
 from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
@@ -142,7 +143,7 @@ class ReuseHook:
         Raises:
             BadRequest: a prompt that cannot carry a salt (not a dict), or params of
                 ours that do not parse.
-            TransferParamsError: a piece of its params beyond its prompt.
+            TransferParamsError: a client salt in the server's salts' space.
         """
         if not isinstance(prompt, dict):
             raise BadRequest(f"a prompt of type {type(prompt).__name__} cannot be admitted")
@@ -160,7 +161,10 @@ class ReuseHook:
         assert arrival.admission is not None
         ids = prompt.get("prompt_token_ids")
         if arrival.params is not None and isinstance(ids, list):
-            arrival.params.check_prompt(len(ids))  # (a ValueError: vLLM answers 400)
+            try:
+                arrival.params.check_prompt(len(ids))
+            except TransferParamsError as exc:  # (a ValueError: vLLM answers 400)
+                raise BadRequest(f"kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from None
         return _Request(prompt, sampling_params, kwargs, arrival, arrival.admission, request_id)
 
     # ------------------------------------------------------------ planning

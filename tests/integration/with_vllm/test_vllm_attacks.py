@@ -435,6 +435,7 @@ def test_a_field_outside_our_schema_skips_no_admission(target: Target) -> None:
         reply = target.post(body)
         cached[pin] = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert "x" not in (reply.get("kv_transfer_params") or {})  # ignored, not passed on
+    print({"foreign key, cached": cached})
     assert cached["4 8 1 5"] == cached["9 0 7 2"] == 0, cached
 
 
@@ -451,6 +452,7 @@ def test_cached_tokens_count_only_what_was_loaded_and_kept(target: Target, musiq
     load = {"load": [[0, len(entry) - 1, entry[-1:]]]}  # (the chunk's suffix as its tail)
     reply = target.post({"prompt": ids, "kv_transfer_params": {"kvrag": load}})
     ours = reply["kv_transfer_params"]["kvrag"]
+    print({"rejected entry": ours, "usage": reply["usage"]})
     assert ours["loaded"] == 0 and ours["recomputed"] > 0
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert max_logprob_gap(target.first_logprobs(ids), target.exact(ids)) < 1e-5
