@@ -122,15 +122,15 @@ class ReuseHook:
         self._write(request, request.params)  # its salt, before anything can fail
         own: list[tuple[asyncio.Task[bool], list[int]]] = []
         try:
-            await self.prepare(request, own)
-        except Exception:  # never a crash here: the request then runs exactly, salted
-            logger.exception("request %s: reuse not planned; runs exactly", request_id)
-        try:
+            try:
+                await self.prepare(request, own)
+            except Exception:  # never a crash here: the request then runs exactly, salted
+                logger.exception("request %s: reuse not planned; runs exactly", request_id)
             async for output in self.generate_inner(
                 prompt, sampling_params, request_id, *args, **kwargs
             ):
                 yield output
-        finally:
+        finally:  # (a request cancelled while planned too)
             for task, ids in own:  # its own entries, used: dropped once stored
                 task.add_done_callback(lambda _, ids=ids: self._forget(request.admission, ids))
 
@@ -205,7 +205,8 @@ class ReuseHook:
                 done = {span for span, task in waiting.items() if _stored(task)}
                 mine = replace(mine, ready=frozenset(done))
             detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
-        if self._pending and await self._await_stored(fingerprint, ids, detection.load_end):
+        waits = admission.keeps and self._pending  # (a tenant's own prompts only)
+        if waits and await self._await_stored(fingerprint, ids, detection.load_end):
             detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
         logger.debug(
             "%s: %d of %d tokens from storage (%s)%s",
