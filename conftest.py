@@ -8,5 +8,7 @@ are not collected. Every other vLLM module of the package imports without vLLM.
 import importlib.util
 
 collect_ignore_glob = (
-    [] if importlib.util.find_spec("vllm") else ["kvrag_integrations/vllm/connector.py"]
+    []
+    if importlib.util.find_spec("vllm")
+    else ["kvrag_integrations/vllm/connector/kv_connector.py"]
 )

@@ -22,7 +22,7 @@ VLLM_ARGS = {"max_model_len": 4096, "kv_cache_memory_bytes": 768 * 2**20}
 
 def start_engine(model: str | None = None) -> Any:
     """vLLM in this process on a store of its own (lossless entries)."""
-    from kvrag_integrations.vllm.engine import VLLMEngine
+    from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
     store = tempfile.mkdtemp(prefix="kvrag-rerank-vllm-")
     return VLLMEngine.from_pretrained(

@@ -1,10 +1,12 @@
-"""The connector's settings, and the ``--kv-transfer-config`` that loads it into vLLM.
+"""The server's settings (each default set here, once), and the ``--kv-transfer-config``.
 
 vLLM loads the connector by module path from its ``KVTransferConfig``; our
-settings ride in its ``kv_connector_extra_config``. ``transfer_config`` writes
-the whole value, for ``vllm.LLM(kv_transfer_config=...)`` and for the OpenAI
-server's ``--kv-transfer-config`` (``python -m kvrag_integrations.vllm.serve``
-passes it for you).
+settings ride in its ``kv_connector_extra_config``, where every process of the
+server reads them: the connector's scheduler and workers, and in the OpenAI
+API server the gateway and the hook. ``transfer_config`` writes the whole
+value, for ``vllm.LLM(kv_transfer_config=...)`` and for the OpenAI server's
+``--kv-transfer-config`` (``python -m kvrag_integrations.vllm.serve`` passes it
+for you).
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ from typing import Any
 
 from kvrag_integrations.chunk_kv import check_precision
 from kvrag_integrations.errors import StoreURLError
-from kvrag_integrations.vllm.trust import ClientPolicy, KeyLookup, check_role, server_secret
+from kvrag_integrations.vllm.admission import ClientPolicy
+from kvrag_integrations.vllm.trust import KeyLookup, check_role, server_secret
 
 CONNECTOR_CLASS = "KVRAGConnector"
-CONNECTOR_MODULE = "kvrag_integrations.vllm.connector"
+CONNECTOR_MODULE = "kvrag_integrations.vllm.connector.kv_connector"
 # A worker's own memory tier in front of the shared store: hot entries are read
 # from memory. Bounded, since vLLM sizes its KV cache from the memory left.
 DEFAULT_MEMORY_TIER_BYTES = 512 * 2**20
 # vLLM recomputes the blocks a connector could not load (instead of failing the
 # request): a missing, corrupt or foreign entry is then a miss, never an error.
 LOAD_FAILURE_POLICY = "recompute"
+# What a caller without a listed API key may do (``trust.ROLES``): reuse, and store
+# chunks it asks to encode.
+DEFAULT_CLIENT_ROLE = "write"
 # The longest prompt a request may store as one entry (a chunk, a template's
 # head): bounds what one request writes.
 DEFAULT_MAX_ENTRY_TOKENS = 4096
@@ -91,8 +97,9 @@ class ConnectorSettings:
             log counts, and is compacted). ``"auto"`` (the default): sized from
             the store at start (``store.sizing.store_budget``); ``"none"``:
             unbounded (only where something else bounds the store).
-        namespace_share: the share of the budget each group of namespaces may
-            hold (the shared one, each key's, all client salts' together).
+        namespace_share: the share of the budget the shared namespace and each
+            key's may hold (client salts and anonymous requests' own entries are
+            in pools of their own: ``store.quotas``).
         namespace_quotas: key namespaces (ids: ``Tenant.namespace``) with their
             own quota in bytes (0: ``namespace_share``), from the key file's
             ``quota_bytes``.
@@ -108,13 +115,17 @@ class ConnectorSettings:
             anonymous request reads only what writers stored, under a salt of
             its own). Any of them can then tell whether another sent a given
             text: for one trusted team only.
+        open_metrics: vLLM's ``/metrics`` answers anyone (default False: only an
+            admin key of the key file). Its counters move with every caller's
+            requests (prefix-cache queries and hits among them): whoever reads
+            them watches the server's aggregate traffic.
     """
 
     store: str
     cache_precision: str = "float16"
     memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES
     trusted_clients: bool = False
-    client_role: str = "write"
+    client_role: str = DEFAULT_CLIENT_ROLE
     max_store_bytes: int | str = AUTO_BUDGET
     namespace_share: float = DEFAULT_NAMESPACE_SHARE
     namespace_quotas: dict[str, int] = field(default_factory=dict)
@@ -122,6 +133,7 @@ class ConnectorSettings:
     detect: bool = True
     learn_min_tokens: int = DEFAULT_LEARN_MIN_TOKENS
     share_anonymous: bool = False
+    open_metrics: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store.strip():
@@ -145,14 +157,14 @@ class ConnectorSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("trusted_clients", "detect", "share_anonymous"):
+        for name in ("trusted_clients", "detect", "share_anonymous", "open_metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
         check_role(self.client_role)
 
     def policy(self, keys: KeyLookup | None = None) -> ClientPolicy:
-        """What the connector and the server's hook let requests do (``keys``: the
-        key file's current grants, for the grants the gateway signs)."""
+        """The rules the server's door admits requests by, and the connector checks
+        admissions by (``keys``: the key file's current grants)."""
         return ClientPolicy(
             self.trusted_clients,
             self.client_role,

@@ -19,21 +19,24 @@ API: the request body's ``kv_transfer_params``):
 - ``save``: pieces of this prompt to store as entries (chunk encoding):
   ``[start, rows, []]``, the entry's ids ``prompt[start : start + rows]``.
 - ``overwrite``: store even where an entry exists (the admin role only).
-- ``learn``: the ``save`` may be stored after the answer is returned (a prompt the
-  server learns: nothing waits for it; an encode request's entry is stored before
-  its answer).
-- ``private``: the ``save`` is not announced in the content index: an entry only
-  a request that knows its ids can name (the reuse hook's private prefix of one
-  anonymous request, stored under ids with a secret suffix, read by that request
-  alone and dropped after it).
+- ``deferred``: the ``save`` may be stored after the answer is returned (a prompt
+  the server learns: nothing waits for it; an encode request's entry is stored
+  before its answer).
+- ``private``: the ``save`` goes to the request's private namespace
+  (``admission.Admission.private``) and is not announced in the content index:
+  an entry of a text an anonymous request brought (glue, a prefix), stored under
+  ids with a secret suffix, read by that request alone and dropped after it.
+  ``private_load``: the load pieces (by index) read from there.
 - ``detect``: false opts a plain client's request out of the server's detection
-  of stored passages (``reuse_hook``): it then runs exactly, as plain vLLM.
+  of stored passages (``server.reuse_hook``): it then runs exactly, as plain vLLM.
 - ``tenant``: the client's own tenant salt (the namespace it reuses and stores
-  in; see ``trust``); ``grant``: what the gateway vouches for (an API key's
-  namespace and role, signed; clients cannot make one).
+  in; see ``trust``).
+- ``admission``: what the server decided for the request where it entered
+  (``admission.Admission``, signed): the server's own; a client that sends one
+  is refused.
 
-Which of these a request may use, and under which ``cache_salt``, is
-``trust``'s to say: a request the connector does not admit loads and stores
+Which of these a request may use, and under which ``cache_salt``, is its
+admission's to say: a request the connector does not admit loads and stores
 nothing and is computed exactly by vLLM.
 
 The key of an entry is ``cache_key(fingerprint, ids)``, the fingerprint the
@@ -47,11 +50,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
-from kvrag_integrations.vllm.messages import PieceOp
 from kvrag_integrations.vllm.trust import Tenant, request_salt
 
 PARAMS_KEY = "kvrag"
@@ -60,7 +62,17 @@ PARAMS_KEY = "kvrag"
 MAX_PIECES = 1024  # more pieces than any prompt has: a bound on what a request may ask
 MAX_EDGE = 8192  # a piece's tail or lead: at most an entry's length
 MAX_EDGE_IDS = 65536  # the ids of every piece's lead and tail together (a request's size)
-_FIELDS = {"load", "save", "overwrite", "tenant", "grant", "detect", "learn", "private"}
+_FIELDS = {
+    "load",
+    "save",
+    "overwrite",
+    "tenant",
+    "admission",
+    "detect",
+    "deferred",
+    "private",
+    "private_load",
+}
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,7 @@ class PieceSpec:
     rows: int
     tail: tuple[int, ...] = ()
     lead: tuple[int, ...] = ()  # the entry's ids before the piece (read from inside it)
+    private: bool = False  # its entry is in the request's own namespace (``private_load``)
 
     @property
     def end(self) -> int:
@@ -80,12 +93,6 @@ class PieceSpec:
     def entry_ids(self, prompt_ids: Sequence[int]) -> list[int]:
         """The ids of this piece's entry (the one place they are derived)."""
         return [*self.lead, *prompt_ids[self.start : self.end], *self.tail]
-
-    def op(self, prompt_ids: Sequence[int]) -> PieceOp:
-        """This piece as the workers get it: its span, its entry's ids, and the
-        entry row it starts at."""
-        ids = tuple(self.entry_ids(prompt_ids))
-        return PieceOp(self.start, self.rows, ids, len(self.lead))
 
     def as_list(self) -> list[Any]:
         if self.lead:
@@ -114,9 +121,9 @@ and follow each other; piece 0 starts at 1, not 0
     save: tuple[PieceSpec, ...] = ()
     overwrite: bool = False
     tenant: str = ""
-    grant: Mapping[str, Any] | None = None
+    admission: Mapping[str, Any] | None = None
     detect: bool = True
-    learn: bool = False
+    deferred: bool = False
     private: bool = False
 
     @property
@@ -135,14 +142,17 @@ and follow each other; piece 0 starts at 1, not 0
             ours["overwrite"] = True
         if self.tenant:
             ours["tenant"] = self.tenant
-        if self.grant is not None:
-            ours["grant"] = dict(self.grant)
+        if self.admission is not None:
+            ours["admission"] = dict(self.admission)
         if not self.detect:
             ours["detect"] = False
-        if self.learn:
-            ours["learn"] = True
+        if self.deferred:
+            ours["deferred"] = True
         if self.private:
             ours["private"] = True
+        own = [i for i, piece in enumerate(self.load) if piece.private]
+        if own:
+            ours["private_load"] = own
         return {PARAMS_KEY: ours}
 
     @property
@@ -150,11 +160,12 @@ and follow each other; piece 0 starts at 1, not 0
         """The load run as ``[start, rows, tail]`` lists (what salts hash); a piece
         read from inside an entry as ``[start, rows, tail digest, lead digest]``
         (its entry's ids can be thousands)."""
-        return [p.as_list() if not p.lead else _digested(p) for p in self.load]
+        layout = [p.as_list() if not p.lead else _digested(p) for p in self.load]
+        return [[*p, "private"] if piece.private else p for p, piece in zip(layout, self.load)]
 
     def salt(self) -> str | None:
         """The ``cache_salt`` these params need, for a client's own tenant
-        (``trust.request_salt``; a gateway's grant salts its own way)."""
+        (``trust.request_salt``; a server sets the salt of its admission)."""
         return request_salt(Tenant.of_salt(self.tenant), self.layout)
 
     @classmethod
@@ -190,16 +201,23 @@ and follow each other; piece 0 starts at 1, not 0
         tenant = ours.get("tenant", "")
         if not isinstance(tenant, str) or len(tenant) > 256:
             raise TransferParamsError("tenant must be a string of at most 256 characters")
-        grant = ours.get("grant")
-        if grant is not None and not isinstance(grant, Mapping):
-            raise TransferParamsError("grant must be an object")
-        detect, learn = ours.get("detect", True), ours.get("learn", False)
+        admission = ours.get("admission")
+        if admission is not None and not isinstance(admission, Mapping):
+            raise TransferParamsError("admission must be an object")
+        detect, deferred = ours.get("detect", True), ours.get("deferred", False)
         private = ours.get("private", False)
-        if not all(isinstance(flag, bool) for flag in (detect, learn, private)):
-            raise TransferParamsError("detect, learn and private must be true or false")
+        if not all(isinstance(flag, bool) for flag in (detect, deferred, private)):
+            raise TransferParamsError("detect, deferred and private must be true or false")
         if private and not save:
             raise TransferParamsError("private applies to a save")
-        return cls(load, save, overwrite, tenant, grant, detect, learn, private)
+        own = ours.get("private_load", [])
+        if not isinstance(own, list) or len(own) > len(load):
+            raise TransferParamsError("private_load lists load pieces by index")
+        indices = {_int(i, "a private_load index", 0) for i in own}
+        if any(i >= len(load) for i in indices):
+            raise TransferParamsError("private_load lists load pieces by index")
+        load = tuple(replace(p, private=True) if i in indices else p for i, p in enumerate(load))
+        return cls(load, save, overwrite, tenant, admission, detect, deferred, private)
 
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """Raise ``TransferParamsError`` if a piece lies beyond the prompt."""

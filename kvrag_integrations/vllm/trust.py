@@ -1,35 +1,24 @@
-"""What the connector lets a request do: its tenant, its salt, its rights.
+"""Tenants, salts and roles: what the server's rules are made of.
 
-The connector serves whoever reaches the server, so nothing a request says is
-taken on trust (docs/deployment.md, "On vLLM", has the threat model). Neither
-vLLM nor torch is imported here: the OpenAI gateway (``gateway``), the
-connector's scheduler side and ``VLLMEngine`` clients all apply these rules.
+The server serves whoever reaches it, so nothing a request says is taken on
+trust (docs/deployment.md, "The server trusts no client", has the threat
+model). Each request's rights are decided once where it enters, from these
+(``admission``). Neither vLLM nor torch is imported here.
 
 - **Tenants.** A request belongs to one namespace of entries: the shared one
-  (no salt, no key), the one of its ``cache_salt`` (vLLM's own tenant
-  isolation; a secret its holders share), or the one an API key maps to (the
-  gateway signs that as a ``grant``, bound to the key: a revoked key's grants
-  stop counting). Entries are keyed by the namespace, so a request can read,
-  and learn of, only its own namespace's entries. A namespace id says its
-  kind (``store.namespaces``: ``key-``, ``salt-``, and ``private-`` for one
+  (what writers stored for every caller), the one of its ``cache_salt`` (vLLM's
+  own tenant isolation; a secret its holders share), or the one an API key maps
+  to. Entries are keyed by the namespace, so a request can read, and find out
+  about, only its own namespace's entries. A namespace id says its kind
+  (``store.namespaces``: ``key-``, ``salt-``, and ``private-`` for one
   anonymous request's own entries), which the store's budget reads to give
   each tenant its own quota (``store.quotas``).
-- **Anonymous callers share nothing but what writers stored.** A request with
-  neither key nor salt reads the shared namespace (ingested chunks and
-  documents) under a salt of its own (``Grant.anonymous``: vLLM's prefix cache
-  shares none of its blocks), and the server learns nothing from it
-  (``ClientPolicy.may_learn``): no caller can tell what another sent. Sharing
-  learned prompts and prefix blocks between anonymous callers is the operator's
-  opt-in (``share_anonymous``), for one trusted team.
-- **Salts.** A request loads stored pieces only when its ``cache_salt`` is the
-  one derived here from its tenant and its load layout (``request_salt``):
-  vLLM's prefix cache then keeps the approximate blocks a load leaves apart
-  from every exact request, whatever the client sends. Any other request loads
-  nothing and is computed exactly.
-- **Entries mean one thing.** A request may store only its whole prompt, as one
-  entry computed from position 0 with nothing loaded and no approximate block
-  in reach (its salt is its tenant's exact one). Overwriting needs the admin
-  role; a read-only role stores nothing.
+- **Salts.** A request loads stored pieces only under the ``cache_salt``
+  derived here from its tenant and its load layout (``request_salt``): vLLM's
+  prefix cache then keeps the approximate blocks a load leaves apart from every
+  exact request. Every request the server admits carries a salt the server set.
+- **Roles.** ``read`` reuses, ``write`` may also store its whole prompt as one
+  entry (chunk encoding), ``admin`` may also overwrite.
 """
 
 from __future__ import annotations
@@ -38,8 +27,7 @@ import hashlib
 import hmac
 import json
 import os
-import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,17 +35,22 @@ from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.store.namespaces import KEY, NAMESPACE_MARK, PRIVATE, SALT, namespace_id
 
 TURBO_SALT_PREFIX = "kvrag-turbo-"
-ANON_SALT_PREFIX = "kvrag-anon-"
-"""The salt of an anonymous request's own exact blocks (a nonce per request)."""
 """Every salt of a request that loads stored pieces starts with this; no tenant's
 exact salt may (so an exact request never shares vLLM's prefix blocks with one)."""
+ANON_SALT_PREFIX = "kvrag-anon-"
+"""The salt of an anonymous request's own exact blocks (a nonce per request)."""
+RESERVED_SALT_PREFIX = "kvrag-"
+"""The server's salts start with this: a client's own ``cache_salt`` may not (but a
+turbo salt a ``VLLMEngine`` client derived for its load layout, which names no
+tenant and is replaced by the server's)."""
 
 ROLES = ("read", "write", "admin")
 """``read``: reuse only; ``write``: reuse, and store prompts as their own entries
-(chunk encoding); ``admin``: also overwrite entries."""
+(chunk encoding); ``admin``: also overwrite entries. In this order: the first is
+the strictest."""
 
 SECRET_ENV = "KVRAG_SERVER_SECRET"
-"""The secret the gateway signs grants with and the connector checks them by
+"""The secret admissions are signed with and the connector checks them by
 (``serve`` makes one per launch where it is unset; every process of one vLLM
 server inherits it)."""
 
@@ -98,7 +91,7 @@ class Tenant:
     @classmethod
     def of_anonymous_request(cls, nonce: str) -> Tenant:
         """The tenant of one anonymous request's own entries (its private prefix, its
-        glue), under its own salt (``Grant.anonymous``'s nonce): a namespace no
+        glue), under its own salt (the nonce ``admission`` draws for the request): a namespace no
         other request can name, whose entries the store's budget counts in the
         private pool, never in the shared namespace's quota (``store.quotas``)."""
         return cls(namespace_id(PRIVATE, nonce), ANON_SALT_PREFIX + nonce)
@@ -131,84 +124,14 @@ def request_salt(tenant: Tenant, layout: Sequence[Sequence[Any]]) -> str | None:
     return TURBO_SALT_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-# ------------------------------------------------------------------ grants
-@dataclass(frozen=True)
-class Grant:
-    """What the server vouches for, signed with its secret (a grant that does not
-    verify is ignored: the request is then anonymous).
+def stricter(a: str, b: str) -> str:
+    """The stricter of two roles (``ROLES``' order).
 
-    Attributes:
-        namespace: the namespace of the request's entries.
-        role: what it may do (``ROLES``).
-        key: the digest of the API key it came with (``key_digest``): the grant
-            counts only while that key is in the key file with this namespace and
-            role (``ClientPolicy.keys``). "": an anonymous request's grant.
-        nonce: an anonymous request's own salt (``ANON_SALT_PREFIX`` + nonce): the
-            gateway's no key grant; "" for a key's grant.
+    Examples:
+        >>> stricter("write", "read"), stricter("admin", "write")
+        ('read', 'write')
     """
-
-    namespace: str
-    role: str
-    key: str = ""
-    nonce: str = ""
-
-    @classmethod
-    def anonymous(cls, role: str) -> Grant:
-        """The grant of one anonymous request: the shared namespace's entries, a
-        salt of its own."""
-        return cls("", role, "", secrets.token_hex(16))
-
-    def tenant(self, secret: bytes) -> Tenant:
-        if self.nonce:
-            return Tenant("", ANON_SALT_PREFIX + self.nonce)
-        if not self.namespace:  # a key of the shared namespace
-            return Tenant()
-        return Tenant.of_key_namespace(self.namespace, secret)
-
-    def _mac(self, secret: bytes) -> str:
-        fields = [self.namespace, self.role, self.key, self.nonce]
-        text = json.dumps(fields, separators=(",", ":"))
-        return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
-
-    def signed(self, secret: bytes) -> dict[str, str]:
-        raw = {"namespace": self.namespace, "role": self.role, "mac": self._mac(secret)}
-        if self.key:
-            raw["key"] = self.key
-        if self.nonce:
-            raw["nonce"] = self.nonce
-        return raw
-
-    @classmethod
-    def verified(cls, raw: Any, secret: bytes | None) -> Grant | None:
-        """The grant in ``raw`` if its signature holds (None otherwise)."""
-        if secret is None or not isinstance(raw, Mapping):
-            return None
-        namespace, role, mac = raw.get("namespace"), raw.get("role"), raw.get("mac")
-        key, nonce = raw.get("key", ""), raw.get("nonce", "")
-        fields = (namespace, mac, key, nonce)
-        if role not in ROLES or not all(isinstance(f, str) for f in fields):
-            return None
-        if nonce and (key or namespace):  # an anonymous grant names no key nor namespace
-            return None
-        grant = cls(namespace, role, key, nonce)
-        return grant if hmac.compare_digest(grant._mac(secret), mac) else None
-
-
-def key_digest(key: str, secret: bytes) -> str:
-    """What a grant names its API key by (keyed by the server's secret: a grant in a
-    log tells nothing of the key)."""
-    return hmac.new(secret, b"key|" + key.encode(), hashlib.sha256).hexdigest()[:32]
-
-
-KeyLookup = Callable[[str], "Grant | None"]
-"""The key file's current grant of a key digest (None: no such key, or revoked)."""
-
-
-def server_secret() -> bytes | None:
-    """The secret grants are signed with, from ``$KVRAG_SERVER_SECRET`` (None: unset:
-    no grant verifies)."""
-    value = os.environ.get(SECRET_ENV)
-    return value.encode() if value else None
+    return min(check_role(a), check_role(b), key=ROLES.index)
 
 
 def check_role(role: str) -> str:
@@ -217,73 +140,28 @@ def check_role(role: str) -> str:
     return role
 
 
+def key_digest(key: str, secret: bytes) -> str:
+    """What an admission names its API key by (keyed by the server's secret: an
+    admission in a log tells nothing of the key)."""
+    return hmac.new(secret, b"key|" + key.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def server_secret() -> bytes | None:
+    """The secret admissions are signed with, from ``$KVRAG_SERVER_SECRET`` (None:
+    unset: no admission is signed, and none verifies)."""
+    value = os.environ.get(SECRET_ENV)
+    return value.encode() if value else None
+
+
 @dataclass(frozen=True)
-class ClientPolicy:
-    """What the connector lets requests do (from its settings).
+class Grant:
+    """What an API key grants (the key file's entry): a namespace ("" : the shared
+    one) and a role, and the key's digest (``key_digest``)."""
 
-    Attributes:
-        trusted: every request comes from the operator's own code (``VLLMEngine``
-            in process): admin rights, no grant needed.
-        client_role: the role of a request without a verified grant.
-        max_entry_tokens: the longest prompt a request may store as an entry.
-        secret: the server's grant secret (None: no grant verifies).
-        share_anonymous: anonymous callers share one namespace for what the server
-            learns, and vLLM's prefix blocks (an opt-in: each can then tell
-            what another sent; for one trusted team).
-        keys: the key file's current grants by key digest (None: no key file:
-            no key's grant counts). A grant counts only while its key maps to
-            the same namespace and role there.
-    """
+    namespace: str
+    role: str
+    key: str = ""
 
-    trusted: bool = False
-    client_role: str = "write"
-    max_entry_tokens: int = 4096
-    secret: bytes | None = None
-    share_anonymous: bool = False
-    keys: KeyLookup | None = None
 
-    def grant(self, raw: Any) -> Grant | None:
-        """The verified grant in ``raw``: signed with the server's secret and, for a
-        key's grant, of a key the key file still holds alike."""
-        grant = Grant.verified(raw, self.secret)
-        if grant is None or grant.nonce:
-            return grant
-        current = self.keys(grant.key) if self.keys is not None and grant.key else None
-        if current is None or (current.namespace, current.role) != (grant.namespace, grant.role):
-            return None  # revoked, changed, or no key at all
-        return grant
-
-    def tenant_and_role(
-        self, tenant: str, grant: Any, cache_salt: str | None, loads: bool
-    ) -> tuple[Tenant, str]:
-        """A request's tenant and role: a verified grant's, else the client's own
-        tenant salt (``tenant``, or the request's ``cache_salt`` where it loads
-        nothing), else the shared namespace.
-
-        Raises:
-            TransferParamsError: a tenant salt in the turbo salts' space.
-        """
-        role = "admin" if self.trusted else self.client_role
-        verified = self.grant(grant)
-        if verified is not None and self.secret is not None:
-            return verified.tenant(self.secret), verified.role
-        if tenant:
-            return Tenant.of_salt(tenant), role
-        return Tenant.of_salt(None if loads else cache_salt), role
-
-    def may_learn(self, tenant: Tenant, role: str) -> bool:
-        """Whether the server may store what a request of ``tenant`` sent without
-        asking (learned prompts, glue, remainders): only in a tenant's own
-        namespace (a key's or a salt's), never in the shared one, where every
-        caller would find it, unless anonymous callers share by the operator's
-        choice."""
-        return role != "read" and (bool(tenant.namespace) or self.share_anonymous)
-
-    def isolates(self, tenant: str, grant: Any, cache_salt: str | None, loads: bool) -> bool:
-        """Whether a request is anonymous (no verified grant, no tenant salt of its
-        own: a load's ``cache_salt`` names none) and gets a salt of its own
-        (``Grant.anonymous``)."""
-        if self.trusted or self.share_anonymous or self.secret is None:
-            return False
-        own = tenant or (None if loads else cache_salt)
-        return not own and self.grant(grant) is None
+KeyLookup = Callable[[str], "Grant | None"]
+"""The key file's current grant of a key digest (None: no such key, or revoked)."""

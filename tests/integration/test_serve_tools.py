@@ -44,7 +44,7 @@ def test_tool_flags_reach_vllm_and_a_packaged_template_is_resolved(
     assert "--enable-auto-tool-choice" in got
     template = Path(got[got.index("--chat-template") + 1])
     assert template.is_file() and template.name == "chatml_tools.jinja"
-    assert "kvrag_integrations.vllm.gateway.TenantGateway" in got  # the connector still there
+    assert "vllm.server.gateway.TenantGateway" in got  # the connector still there
     # a file or template string of the caller's own goes to vLLM untouched
     got = command(capsys, "--", "--chat-template=/srv/mine.jinja")
     assert "--chat-template=/srv/mine.jinja" in got and "--" not in got

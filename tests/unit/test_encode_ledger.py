@@ -18,8 +18,8 @@ import pytest
 
 from kvrag_integrations.engine.scheduling.background import BackgroundEncoder
 from kvrag_integrations.engine.scheduling.ledger import EncodeLedger
-from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 
 def test_one_encoding_per_key_and_it_leaves_when_done() -> None:

@@ -101,14 +101,9 @@ def test_the_vllm_package_depends_on_the_engine_not_on_frameworks() -> None:
     assert offenders == {}
 
 
-def test_only_the_connector_and_the_local_backend_import_vllm_at_load() -> None:
-    """A client of a vLLM server needs no vLLM: only the module vLLM itself loads
-    imports it at the top; the in-process backend imports it when it starts one."""
-    top_level = {
-        path.name
-        for path in VLLM.rglob("*.py")
-        for node in ast.parse(path.read_text()).body
-        if isinstance(node, (ast.Import, ast.ImportFrom))
+def _top_level_vllm_imports(path: Path) -> bool:
+    return any(
+        isinstance(node, (ast.Import, ast.ImportFrom))
         and any(
             name.split(".")[0] == "vllm"
             for name in (
@@ -117,5 +112,48 @@ def test_only_the_connector_and_the_local_backend_import_vllm_at_load() -> None:
                 else [a.name for a in node.names]
             )
         )
+        for node in ast.parse(path.read_text()).body
+    )
+
+
+def test_only_the_connector_package_imports_vllm_at_load() -> None:
+    """A client of a vLLM server needs no vLLM: only the module vLLM itself loads
+    imports it at the top; the in-process backend imports it when it starts one."""
+    top_level = {
+        str(path.relative_to(VLLM)) for path in VLLM.rglob("*.py") if _top_level_vllm_imports(path)
     }
-    assert top_level == {"connector.py"}
+    assert top_level == {"connector/kv_connector.py"}
+
+
+# vllm/ by the process each part runs in: what all share, and each process's own.
+PROCESSES = ("connector", "server", "client")
+# The front doors, which may import any part: the package's (VLLMEngine) and the command's.
+FRONTS = {"__init__.py", "serve.py"}
+
+
+def _vllm_part(module: str) -> str | None:
+    """The part of vllm/ a dotted name points into ("shared": a module at its top)."""
+    parts = module.split(".")
+    if parts[:2] != ["kvrag_integrations", "vllm"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in PROCESSES else "shared"
+
+
+def test_the_vllm_parts_import_only_what_is_shared() -> None:
+    """connector/, server/ and client/ each import only vllm/'s shared modules (and
+    their own), never each other; a shared module imports none of them, lazily
+    or not (a process's code is then never loaded into another by accident)."""
+    offenders = {}
+    for path in VLLM.rglob("*.py"):
+        relative = path.relative_to(VLLM)
+        if str(relative) in FRONTS:
+            continue
+        own = relative.parts[0] if len(relative.parts) > 1 else "shared"
+        parts = {_vllm_part(m) for m in _runtime_imports(path)} - {None, own, "shared"}
+        if parts:
+            offenders[str(relative)] = sorted(parts)
+    assert offenders == {}
+    # The scan does see the parts: the connector imports the shared params.
+    assert "shared" in {
+        _vllm_part(m) for m in _runtime_imports(VLLM / "connector" / "scheduler_side.py")
+    }

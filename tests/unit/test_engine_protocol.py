@@ -27,8 +27,8 @@ from kvrag_integrations.engine.frontend import EngineFrontend
 from kvrag_integrations.engine.modeling.sampling import SAMPLING_ARGS
 from kvrag_integrations.engine.prompting.prompts import PROMPT_ARGS
 from kvrag_integrations.engine.protocol import ENGINE_MEMBERS, RAGEngine, check_engine
-from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 
 def _parameters(cls: type, name: str) -> list[tuple[str, object]] | None:

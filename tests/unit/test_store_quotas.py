@@ -20,9 +20,8 @@ from kvrag_integrations.store.namespaces import namespace_id, namespace_kind
 from kvrag_integrations.store.quotas import Quotas, namespace_of
 from kvrag_integrations.store.sizing import DISK_FRACTION, store_budget
 from kvrag_integrations.vllm.config import ConnectorSettings, parse_store_bytes
-from kvrag_integrations.vllm.gateway import KeyFile
+from kvrag_integrations.vllm.keys import KeyFile, namespace_quotas
 from kvrag_integrations.vllm.serve import main as serve_main
-from kvrag_integrations.vllm.serve import namespace_quotas
 from kvrag_integrations.vllm.trust import ANON_SALT_PREFIX, Tenant
 
 BASE = "model-fp"

@@ -17,10 +17,10 @@ import pytest
 from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.engine.prompting.segments import TokenizedPrompt, cache_leading_text
 from kvrag_integrations.engine.results import GenerationResult
-from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
-from kvrag_integrations.vllm.engine import VLLMEngine
-from kvrag_integrations.vllm.remote import _sse_event
-from kvrag_integrations.vllm.turbo import account, load_run
+from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.client.remote import _sse_event
+from kvrag_integrations.vllm.client.turbo import account, load_run
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 
 def sse(payload: object) -> str:

@@ -1,10 +1,12 @@
 """The gateway (ASGI middleware of vLLM's OpenAI server), driven directly.
 
 Every route the server registers needs a key where the key file admits no
-anonymous caller, but the few open ones; keyed requests get a grant bound to
-their key and their tenant's salt; no client's grant reaches the model; a key
-taken out of the key file stops counting at once. The routes are those of a
-real vLLM app where vLLM is installed (``build_app``), else vLLM 0.32's list.
+anonymous caller or ``--api-key`` is given, but the few open ones; ``/metrics``
+needs an admin key unless the operator opens it; bad input is a 4xx before
+any route sees it; each request gets one admission, which the app behind sees
+(``arrival.ARRIVAL``); a key taken out of the key file stops counting at once.
+The routes are those of a real vLLM app where vLLM is installed (``build_app``),
+else vLLM 0.32's list.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ import asyncio
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from kvrag_integrations.vllm import gateway
-from kvrag_integrations.vllm.gateway import KEYS_ENV, OPEN_ROUTES, TenantGateway
+from kvrag_integrations.vllm.admission import ClientPolicy
+from kvrag_integrations.vllm.keys import API_KEYS_ENV, KEYS_ENV, ApiKeys, KeyRing
 from kvrag_integrations.vllm.params import PARAMS_KEY
-from kvrag_integrations.vllm.trust import SECRET_ENV, ClientPolicy, Tenant, key_digest
+from kvrag_integrations.vllm.server import gateway
+from kvrag_integrations.vllm.server.arrival import ARRIVAL, MAX_DEPTH
+from kvrag_integrations.vllm.server.gateway import METRICS, OPEN_ROUTES, TenantGateway
+from kvrag_integrations.vllm.trust import ANON_SALT_PREFIX, SECRET_ENV, Tenant, key_digest
 
 SECRET = "gateway-test-secret"
 KEYS = {
@@ -48,8 +54,8 @@ FALLBACK_ROUTES = (
 
 
 def vllm_routes() -> list[tuple[str, str]]:
-    """``(path, method)`` of every route a real vLLM OpenAI app registers
-    (``FALLBACK_ROUTES`` where vLLM is not installed)."""
+    """``(path, method)`` of every route a real vLLM OpenAI app registers, mounted
+    apps such as ``/metrics`` included (``FALLBACK_ROUTES`` without vLLM)."""
     try:
         from vllm.entrypoints.launchers.app import build_app
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -68,10 +74,11 @@ def vllm_routes() -> list[tuple[str, str]]:
 
 
 class Model:
-    """The app behind the gateway: records what reached it, answers 200."""
+    """The app behind the gateway: records what reached it (and the request's
+    arrival, as the server's hook reads it), answers 200."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[dict, bytes]] = []
+        self.seen: list[tuple[dict, bytes, Any]] = []
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         body = b""
@@ -81,19 +88,35 @@ class Model:
                 body += message.get("body", b"")
                 if not message.get("more_body"):
                     break
-        self.seen.append((scope, body))
+        self.seen.append((scope, body, ARRIVAL.get()))
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
 
+def server_state(role: str = "write", open_metrics: bool = False) -> SimpleNamespace:
+    """The app's state as ``startup.ReuseInstaller`` leaves it."""
+    ring = KeyRing.from_env()
+    rules = ClientPolicy(False, role, 4096, SECRET.encode(), False, ring)
+    return SimpleNamespace(
+        state=SimpleNamespace(kvrag_policy=rules, kvrag_open_metrics=open_metrics)
+    )
+
+
 def call(
-    app: Any, path: str, body: Any = None, key: str | None = None, method: str = "POST"
+    door: Any,
+    path: str,
+    body: Any = None,
+    key: str | None = None,
+    method: str = "POST",
+    app: Any = None,
+    headers: list | None = None,
 ) -> tuple[int, list[dict]]:
     raw = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    headers = [(b"content-type", b"application/json")]
+    headers = [(b"content-type", b"application/json"), *(headers or [])]
     if key:
         headers.append((b"authorization", f"Bearer {key}".encode()))
     scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    scope["app"] = app if app is not None else server_state()
     chunks = [raw[i : i + 4096] for i in range(0, len(raw), 4096)] or [b""]
     sent: list[dict] = []
 
@@ -104,8 +127,16 @@ def call(
     async def send(message: dict) -> None:
         sent.append(message)
 
-    asyncio.run(app(scope, receive, send))
+    asyncio.run(door(scope, receive, send))
     return sent[0]["status"], sent
+
+
+@pytest.fixture(autouse=True)
+def secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    monkeypatch.delenv(KEYS_ENV, raising=False)
+    monkeypatch.delenv(API_KEYS_ENV, raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
 
 
 @pytest.fixture()
@@ -113,7 +144,6 @@ def keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "keys.json"
     path.write_text(json.dumps(KEYS))
     monkeypatch.setenv(KEYS_ENV, str(path))
-    monkeypatch.setenv(SECRET_ENV, SECRET)
     return path
 
 
@@ -129,82 +159,159 @@ def test_every_route_but_the_open_ones_needs_a_key(keys: Path, path: str, method
         assert status == 200 and len(model.seen) == 1
     else:
         assert status == 401 and not model.seen  # the model never saw it
-        assert call(door, path, None, "sk-team-a", method)[0] == 200
+        # /metrics counts everyone's traffic: an admin key only
+        writer = 401 if path.startswith(METRICS) else 200
+        assert call(door, path, None, "sk-team-a", method)[0] == writer
+        assert call(door, path, None, "sk-ops", method)[0] == 200
         assert call(door, path, None, "sk-wrong", method)[0] == 401
 
 
-def test_the_routes_include_the_ones_that_reach_the_model() -> None:
+def test_the_routes_include_the_ones_that_reach_the_model_and_the_metrics() -> None:
     paths = {path for path, _ in ROUTES}
-    assert {"/v1/completions", "/v1/chat/completions", "/invocations"} <= paths
+    assert {"/v1/completions", "/v1/chat/completions", "/invocations", "/metrics"} <= paths
 
 
-def test_a_keyed_request_gets_a_grant_bound_to_its_key_and_its_tenants_salt(keys: Path) -> None:
+def test_at_the_defaults_every_route_is_open_but_the_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No key file, no ``--api-key`` (the README's server): anyone may ask the model,
+    nobody may watch ``/metrics``, unless the operator opens it."""
+    door = TenantGateway(Model())
+    for path in ("/v1/completions", "/invocations", "/tokenize", "/health"):
+        assert call(door, path, {"prompt": "hi"})[0] == 200
+    for path in (METRICS, METRICS + "/", METRICS + "extra"):  # vLLM mounts every such path
+        assert call(door, path, None, method="GET")[0] == 401
+        assert call(door, path, None, "sk-anything", method="GET")[0] == 401
+        opened = server_state(open_metrics=True)
+        assert call(door, path, None, method="GET", app=opened)[0] == 200
+
+
+def test_api_keys_guard_every_route_as_the_key_files_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--api-key`` (vLLM's own guards only ``/v1``): every route but the open ones
+    needs one, and a holder is a caller of the shared namespace."""
+    monkeypatch.setenv(API_KEYS_ENV, json.dumps([ApiKeys.digest_of("sk-vllm")]))
     model = Model()
     door = TenantGateway(model)
-    forged = {"namespace": "team-b", "role": "admin", "mac": "0" * 64}
-    body = {"prompt": "hi", "cache_salt": "mine", PARAMS_KEY: 1}
-    body["kv_transfer_params"] = {PARAMS_KEY: {"tenant": "team-b", "grant": forged}}
-    for path in ("/v1/completions", "/invocations"):
+    for path, method in ROUTES:
+        if path in OPEN_ROUTES:
+            continue
+        assert call(door, path, None, method=method)[0] == 401, path
+    assert call(door, "/invocations", {"prompt": "hi"}, "sk-vllm")[0] == 200
+    admission = model.seen[-1][2].admission
+    assert admission.tenant.namespace == "" and admission.role == "write"
+    assert not admission.keeps and admission.private is not None  # what it sends: its own
+    assert call(door, METRICS, None, "sk-vllm", method="GET")[0] == 401
+    monkeypatch.setenv("VLLM_API_KEY", "sk-env")  # vLLM's variable counts too
+    assert call(TenantGateway(Model()), "/tokenize", {}, "sk-env")[0] == 200
+
+
+def test_a_keyed_request_is_admitted_as_its_keys_tenant_whatever_it_sends(keys: Path) -> None:
+    model = Model()
+    door = TenantGateway(model)
+    body = {"prompt": "hi", "cache_salt": "mine", "user": "alice"}
+    body["kv_transfer_params"] = {PARAMS_KEY: {"tenant": "team-b"}, "x": 1}
+    for path in ("/v1/completions", "/invocations", "/v1/anything-later"):
         assert call(door, path, body, "sk-team-a")[0] == 200
-        sent = json.loads(model.seen[-1][1])
-        grant = sent["kv_transfer_params"][PARAMS_KEY]["grant"]
-        assert grant["key"] == key_digest("sk-team-a", SECRET.encode())
-        assert (grant["namespace"], grant["role"]) == ("team-a", "write")
-        assert "tenant" not in sent["kv_transfer_params"][PARAMS_KEY]
-        assert sent["cache_salt"] == Tenant.of_key_namespace("team-a", SECRET.encode()).salt
-        length = dict(model.seen[-1][0]["headers"])[b"content-length"]
-        assert int(length) == len(model.seen[-1][1])
+        scope, sent, arrival = model.seen[-1]
+        assert json.loads(sent) == body  # the body reaches vLLM as the client sent it
+        admission = arrival.admission
+        assert admission.tenant == Tenant.of_key_namespace("team-a", SECRET.encode())
+        assert (admission.role, admission.keeps, admission.name) == ("write", True, "team-a")
+        assert admission.key == key_digest("sk-team-a", SECRET.encode())
         # the connector's policy, reading the same key file, admits it
-        policy = ClientPolicy(secret=SECRET.encode(), keys=gateway.KeyRing.from_env())
-        assert policy.grant(grant) is not None
+        rules = server_state().state.kvrag_policy
+        assert rules.verified(admission.signed(SECRET.encode())) == admission
+        assert int(dict(scope["headers"]).get(b"content-length", len(sent))) == len(sent)
 
 
-@pytest.mark.parametrize("key_file", [True, False])
-def test_no_clients_grant_reaches_the_model(
-    keys: Path, monkeypatch: pytest.MonkeyPatch, key_file: bool
-) -> None:
-    if key_file:
-        keys.write_text(json.dumps({**KEYS, "anonymous": "write"}))
-    else:
-        monkeypatch.delenv(KEYS_ENV)
+def test_a_keyless_request_is_anonymous_or_its_salts_tenant(keys: Path) -> None:
+    keys.write_text(json.dumps({**KEYS, "anonymous": "write"}))
     model = Model()
     door = TenantGateway(model)
-    forged = {"namespace": "team-a", "role": "admin", "mac": "0" * 64}
-    ours = {"tenant": "my-salt", "grant": forged, "load": [[0, 4, []]]}
-    for path in ("/v1/completions", "/v1/messages", "/tokenize"):
-        assert (
-            call(door, path, {"prompt": "hi", "kv_transfer_params": {PARAMS_KEY: ours}})[0] == 200
-        )
-        sent = json.loads(model.seen[-1][1])["kv_transfer_params"][PARAMS_KEY]
-        assert "grant" not in sent and sent["tenant"] == "my-salt" and sent["load"]
+    call(door, "/v1/completions", {"prompt": "hi", "prompt_cache_key": "alice"})
+    first = model.seen[-1][2].admission
+    call(door, "/v1/completions", {"prompt": "hi", "prompt_cache_key": "alice"})
+    second = model.seen[-1][2].admission
+    assert first.tenant.salt.startswith(ANON_SALT_PREFIX) and first.tenant != second.tenant
+    assert first.private is not None and not first.keeps
+    call(door, "/v1/completions", {"prompt": "hi", "cache_salt": "team-c"})
+    assert model.seen[-1][2].admission.tenant == Tenant.of_salt("team-c")
 
 
-def test_a_revoked_keys_grant_stops_counting_at_once(keys: Path) -> None:
+def test_the_stricter_anonymous_role_wins(keys: Path) -> None:
+    """``--client-role read`` with a key file whose anonymous callers may write: they
+    read (and a file stricter than the flag wins the same way)."""
+    keys.write_text(json.dumps({**KEYS, "anonymous": "write"}))
     model = Model()
     door = TenantGateway(model)
-    assert call(door, "/v1/completions", {"prompt": "hi"}, "sk-team-a")[0] == 200
-    grant = json.loads(model.seen[-1][1])["kv_transfer_params"][PARAMS_KEY]["grant"]
-    ring = gateway.KeyRing.from_env()
-    policy = ClientPolicy(secret=SECRET.encode(), keys=ring)
-    assert policy.grant(grant) is not None
-    revoked = {**KEYS, "keys": {"sk-ops": KEYS["keys"]["sk-ops"]}}
-    keys.write_text(json.dumps(revoked, indent=1))  # (another size: seen as changed)
+    call(door, "/v1/completions", {"prompt": "hi"}, app=server_state(role="read"))
+    assert model.seen[-1][2].admission.role == "read"
+    keys.write_text(json.dumps({**KEYS, "anonymous": "read"}, indent=1))
     os.utime(keys, ns=(1, 1))
-    assert call(door, "/v1/completions", {"prompt": "hi"}, "sk-team-a")[0] == 401
-    assert policy.grant(grant) is None
-    keys.write_text("{not json")  # a broken file admits nobody
-    assert call(door, "/v1/completions", {"prompt": "hi"}, "sk-ops")[0] == 401
+    call(door, "/v1/completions", {"prompt": "hi"}, app=server_state(role="admin"))
+    assert model.seen[-1][2].admission.role == "read"
 
 
-def test_a_body_too_large_to_rewrite_is_refused(
-    keys: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(gateway, "_MAX_BODY", 10_000)
+DEEP = b'{"kv_transfer_params": ' + b'{"a": ' * 10_000 + b"1" + b"}" * 10_001
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (DEEP, "nests deeper"),
+        (b'{"x": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}", "nests deeper"),
+        (b'{"prompt": "hi"', "not JSON"),
+        (b"\xff\xfe", "not JSON"),
+        ({"cache_salt": 7}, "cache_salt"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": "x" * 300}, "cache_salt"),
+        ({"cache_salt": "kvrag-anon-00"}, "must not start with 'kvrag-'"),
+        ({"kv_transfer_params": [1]}, "kv_transfer_params is an object"),
+        ({"kv_transfer_params": {PARAMS_KEY: "load"}}, "must be an object"),
+        ({"kv_transfer_params": {PARAMS_KEY: {"load": "x"}}}, "load must be a list"),
+        ({"kv_transfer_params": {PARAMS_KEY: {"tenant": 7}}}, "tenant must be a string"),
+        ({"kv_transfer_params": {PARAMS_KEY: {"detect": "no"}}}, "true or false"),
+        ({"kv_transfer_params": {PARAMS_KEY: {"grant": {}}}}, "unknown fields"),
+        ({"kv_transfer_params": {PARAMS_KEY: {"admission": {}}}}, "the server's to write"),
+    ],
+)
+def test_bad_input_is_a_400_with_its_reason(keys: Path, body: Any, reason: str) -> None:
+    keys.write_text(json.dumps({**KEYS, "anonymous": "write"}))
+    model = Model()
+    door = TenantGateway(model)
+    for key in (None, "sk-team-a"):
+        status, sent = call(door, "/v1/completions", body, key)
+        assert status == 400 and not model.seen
+        assert reason in json.loads(sent[1]["body"])["error"]["message"]
+
+
+def test_a_body_too_large_to_check_is_refused(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gateway, "MAX_BODY", 10_000)
     model = Model()
     door = TenantGateway(model)
     status, _ = call(door, "/v1/completions", {"prompt": "x" * 20_000}, "sk-team-a")
     assert status == 413 and not model.seen
+    said = [(b"content-length", b"99999999999")]  # refused before a byte is read
+    assert call(door, "/v1/completions", b"{}", "sk-team-a", headers=said)[0] == 413
     assert call(door, "/v1/completions", {"prompt": "x" * 2_000}, "sk-team-a")[0] == 200
+
+
+def test_a_revoked_keys_admission_stops_counting_at_once(keys: Path) -> None:
+    model = Model()
+    door = TenantGateway(model)
+    app = server_state()
+    assert call(door, "/v1/completions", {"prompt": "hi"}, "sk-team-a", app=app)[0] == 200
+    signed = model.seen[-1][2].admission.signed(SECRET.encode())
+    rules = app.state.kvrag_policy
+    assert rules.verified(signed) is not None
+    revoked = {**KEYS, "keys": {"sk-ops": KEYS["keys"]["sk-ops"]}}
+    keys.write_text(json.dumps(revoked, indent=1))  # (another size: seen as changed)
+    os.utime(keys, ns=(1, 1))
+    assert call(door, "/v1/completions", {"prompt": "hi"}, "sk-team-a", app=app)[0] == 401
+    with pytest.raises(ValueError, match="key file"):
+        rules.verified(signed)
+    keys.write_text("{not json")  # a broken file admits nobody
+    assert call(door, "/v1/completions", {"prompt": "hi"}, "sk-ops", app=app)[0] == 401
 
 
 def test_anonymous_none_refuses_a_websocket_and_admits_lifespan(keys: Path) -> None:
@@ -225,7 +332,7 @@ def test_anonymous_none_refuses_a_websocket_and_admits_lifespan(keys: Path) -> N
     assert len(model.seen) == 1
 
 
-def test_serve_names_the_risk_of_sharing_and_adds_both_middlewares(
+def test_serve_names_the_risks_and_the_stricter_role(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvrag_integrations.vllm import launch, serve
@@ -235,10 +342,28 @@ def test_serve_names_the_risk_of_sharing_and_adds_both_middlewares(
 
     with pytest.raises(SystemExit):
         serve.main(["--help"])
-    assert "RISK" in " ".join(capsys.readouterr().out.split())
+    helped = " ".join(capsys.readouterr().out.split())
+    assert helped.count("RISK") == 2 and "/metrics" in helped
+    args = ["--store", f"disk:{tmp_path}", "--print-command"]
     for share in (False, True):
-        args = ["--store", f"disk:{tmp_path}", "--print-command"]
         serve.main(args + (["--share-anonymous-prompts"] if share else []))
         command = capsys.readouterr().out
         assert f'"share_anonymous":{str(share).lower()}' in command
+        assert '"open_metrics":false' in command
         assert "gateway.TenantGateway" in command and "startup.ReuseInstaller" in command
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({**KEYS, "anonymous": "write"}))
+    serve.main([*args, "--tenant-keys", str(keys), "--client-role", "read", "--open-metrics"])
+    command = capsys.readouterr().out
+    assert '"client_role":"read"' in command and '"open_metrics":true' in command
+    serve.main([*args, "--api-key", "sk-1", "sk-2"])
+    assert "--api-key sk-1 sk-2" in capsys.readouterr().out  # vLLM's own check stays
+    seen = {}
+    monkeypatch.setattr(
+        "kvrag_integrations.vllm.server.serve.os.execvpe", lambda c, a, env: seen.update(env)
+    )
+    monkeypatch.setattr("kvrag_integrations.vllm.server.serve._size_budget", lambda store: 10**9)
+    serve.main(["--store", f"disk:{tmp_path}", "--", "--api-key", "sk-3"])  # after "--" too
+    assert json.loads(seen["KVRAG_API_KEYS"]) == [ApiKeys.digest_of("sk-3")]
+    with pytest.raises(SystemExit):
+        serve.main([*args, "--api-key", "sk-1", "--tenant-keys", str(keys)])

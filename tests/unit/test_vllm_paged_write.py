@@ -17,8 +17,8 @@ import torch
 from test_vllm_worker_side import BLOCK, BLOCKS, DIM, HEADS, FakeImpl, entry, moved, worker
 
 from kvrag_integrations.store import DiskKVStore, MemoryKVStore
-from kvrag_integrations.vllm.messages import LoadOp, PieceOp
-from kvrag_integrations.vllm.paged import PagedLayout, write
+from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp
+from kvrag_integrations.vllm.connector.paged import PagedLayout, write
 
 
 class Rounding(FakeImpl):

@@ -51,7 +51,9 @@ def test_a_request_without_ours_carries_none() -> None:
         ({"load": [[0, 1, list(range(8000)), list(range(8000))]] * 5}, "at most 65536 edge ids"),
         ({"save": [[0, 1, [], [5]]]}, "a save piece has no lead"),
         ({"tenant": 7}, "tenant must be a string"),
-        ({"grant": "admin"}, "grant must be an object"),
+        ({"admission": "admin"}, "admission must be an object"),
+        ({"grant": "admin"}, "unknown fields"),
+        ({"load": [[0, 5, []]], "private_load": [1]}, "private_load lists load pieces"),
     ],
 )
 def test_malformed_params_are_refused_with_a_reason(ours: object, match: str) -> None:

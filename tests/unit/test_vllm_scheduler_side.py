@@ -1,36 +1,60 @@
 """The connector's scheduler side: what a request may load, and what to save when.
 
 Its logic without vLLM: requests are what vLLM hands it (id, prompt ids,
-``kv_transfer_params``), the store is a set of keys. The vLLM lane runs the
-same code inside vLLM (tests/integration/with_vllm).
+``kv_transfer_params`` with the admission the server's door signed), the store
+is a set of keys. The vLLM lane runs the same code inside vLLM
+(tests/integration/with_vllm).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.vllm.admission import Admission, ClientPolicy
+from kvrag_integrations.vllm.connector.scheduler_side import SchedulerSide
 from kvrag_integrations.vllm.params import PieceSpec, TransferParams
-from kvrag_integrations.vllm.scheduler_side import SchedulerSide
-from kvrag_integrations.vllm.trust import ClientPolicy, Grant, Tenant, key_digest
+from kvrag_integrations.vllm.trust import Grant, Tenant, key_digest, request_salt
 
 FP = "fp+kv-float16"
 PROMPT = list(range(100, 400))  # 300 tokens
 RUN = (PieceSpec(0, 20), PieceSpec(20, 100, (7,)), PieceSpec(120, 150))  # then 30 of text
 
 
+SECRET = b"s3cret"
+SHARED = Admission(Tenant(), "write")  # a writer of the shared namespace
+
+
+def policy(**settings: object) -> ClientPolicy:
+    """An untrusted server's rules (``settings`` override them)."""
+    defaults = {"trusted": False, "client_role": "write", "max_entry_tokens": 4096}
+    return ClientPolicy(**{**defaults, "secret": SECRET, **settings})  # type: ignore[arg-type]
+
+
 def request(
-    rid: str, params: TransferParams, prompt: list[int] = PROMPT, salt: str | None = "derived"
+    rid: str,
+    params: TransferParams,
+    prompt: list[int] = PROMPT,
+    salt: str | None = "derived",
+    admission: Admission | None = SHARED,
 ) -> SimpleNamespace:
-    """A request as vLLM hands it; by default with the salt an honest client sends."""
+    """A request as vLLM hands it: with the admission the server's door signed, and
+    by default with the salt the server's hook sets for it."""
+    if admission is not None:
+        params = replace(params, admission=admission.signed(SECRET))
+    tenant = admission.tenant if admission is not None else Tenant.of_salt(params.tenant)
     return SimpleNamespace(
         request_id=rid,
         prompt_token_ids=prompt,
         kv_transfer_params=params.as_request(),
-        cache_salt=params.salt() if salt == "derived" else salt,
+        cache_salt=request_salt(tenant, params.layout) if salt == "derived" else salt,
+        prefill_stats=SimpleNamespace(
+            num_cached_tokens=0, num_external_cached_tokens=0, num_computed_tokens=len(prompt)
+        ),
     )
 
 
@@ -40,6 +64,7 @@ def side(
     policy: ClientPolicy | None = None,
     lossless: bool = True,
 ) -> SchedulerSide:
+    policy = policy or globals()["policy"]()
     return SchedulerSide(fingerprints, stored.__contains__, lambda rid: [3, 5, 8], policy, lossless)
 
 
@@ -111,16 +136,36 @@ def test_a_save_waits_for_the_whole_prompt_chunked_prefill_included() -> None:
     assert (reply.keys, reply.stored, reply.fingerprint) == ([key(piece)], 1, FP)
 
 
-def test_a_private_save_is_not_indexed_and_private_needs_a_save() -> None:
-    """A private entry (the reuse hook's prefix of one anonymous request) is stored as
-    any whole prompt is, but its save tells the workers not to announce it."""
+ANONYMOUS = Admission(Tenant("", "kvrag-anon-1"), "write", private=Tenant("own", "kvrag-anon-1"))
+
+
+def test_a_private_entry_is_the_requests_own_and_not_indexed() -> None:
+    """A request's own entry (the reuse hook's glue or prefix of one anonymous request)
+    is stored as any whole prompt is, in the request's private namespace, and its
+    save tells the workers not to announce it; its loads read it from there."""
     s = side(set())
-    s.matched_tokens(request("p", TransferParams(save=(PieceSpec(0, 300),), private=True)), 0)
+    own = TransferParams(save=(PieceSpec(0, 300),), private=True)
+    s.matched_tokens(request("p", own, admission=ANONYMOUS), 0)
     s.matched_tokens(request("o", TransferParams(save=(PieceSpec(0, 300),))), 0)
     saves = s.step([("p", 0, 300), ("o", 0, 300)]).saves
     assert [(op.request_id, op.indexed) for op in saves] == [("p", False), ("o", True)]
+    assert [op.pieces[0].namespace for op in saves] == ["own", ""]
+    private = Tenant("own").fingerprint(FP)
+    assert s.finished("p").keys == [cache_key(private, PROMPT)]
     with pytest.raises(TransferParamsError, match="private applies to a save"):
         TransferParams.from_request({"kvrag": {"private": True}})
+    # a load reads its private pieces from there, the others from its tenant's
+    run = (replace(RUN[0], private=True), *RUN[1:])
+    stored = side({cache_key(private, RUN[0].entry_ids(PROMPT)), *(key(p) for p in RUN[1:])})
+    req = request("l", TransferParams(load=run), admission=ANONYMOUS)
+    stored.allocated(req, stored.matched_tokens(req, 0))
+    (load,) = stored.step([("l", 270, 30)]).loads
+    assert [p.namespace for p in load.pieces] == ["own", "", ""]
+    # a request without a private namespace has no entries there
+    for rid, params in [("s", own), ("t", TransferParams(load=run))]:
+        refused = side(set())
+        refused.matched_tokens(request(rid, params), 0)
+        assert "private namespace" in refused.finished(rid).refused
 
 
 def test_encoding_a_stored_entry_reads_it_back_and_saves_nothing() -> None:
@@ -132,8 +177,8 @@ def test_encoding_a_stored_entry_reads_it_back_and_saves_nothing() -> None:
     ops = s.step([("e", 299, 1)])
     assert len(ops.loads) == 1 and not ops.saves
     assert s.finished("e").stored == 0
-    again = side({key(piece)}, policy=ClientPolicy(trusted=True))  # the operator's own code
-    forced = request("f", TransferParams(save=(piece,), overwrite=True))
+    again = side({key(piece)}, policy=policy(trusted=True))  # the operator's own code
+    forced = request("f", TransferParams(save=(piece,), overwrite=True), admission=None)
     assert again.matched_tokens(forced, 0) == 0
     assert len(again.step([("f", 0, 300)]).saves) == 1
 
@@ -148,13 +193,19 @@ def test_a_request_without_our_params_gets_no_reply() -> None:
 
 
 def test_a_load_that_failed_is_not_counted_as_reused() -> None:
+    """Nor in vLLM's own count of the request's cached tokens (what the server reports
+    as ``cached_tokens``), which vLLM took when the lookup promised them."""
     s = side({key(p) for p in RUN})
     req = request("a", TransferParams(load=RUN))
     s.allocated(req, s.matched_tokens(req, 0))
+    stats = req.prefill_stats  # as vLLM sets them when it schedules the request
+    stats.num_cached_tokens = stats.num_external_cached_tokens = 270
+    stats.num_computed_tokens = 30
     s.step([("a", 270, 30)])
     s.load_failed("a", 128)  # a worker could not load from 128 on: vLLM recomputed them
     reply = s.finished("a")
     assert (reply.loaded, reply.recomputed) == (128, 142)
+    assert (stats.num_cached_tokens, stats.num_computed_tokens) == (128, 172)
 
 
 # ------------------------------------------------------------------ trust
@@ -201,7 +252,7 @@ def test_a_save_under_a_turbo_salt_is_refused() -> None:
 
 def test_overwrite_needs_the_admin_role() -> None:
     piece = PieceSpec(0, 300)
-    s = side({key(piece)}, policy=ClientPolicy())  # an untrusted server's default
+    s = side({key(piece)})  # an untrusted server's default
     req = request("o", TransferParams(save=(piece,), overwrite=True))
     s.matched_tokens(req, 0)
     assert not s.step([("o", 0, 300)]).saves
@@ -210,10 +261,11 @@ def test_overwrite_needs_the_admin_role() -> None:
 
 def test_a_read_role_stores_nothing_and_long_entries_are_refused() -> None:
     piece = PieceSpec(0, 300)
-    reader = side(set(), policy=ClientPolicy(client_role="read"))
-    reader.matched_tokens(request("r", TransferParams(save=(piece,))), 0)
+    reader = side(set())
+    read = Admission(Tenant(), "read")
+    reader.matched_tokens(request("r", TransferParams(save=(piece,)), admission=read), 0)
     assert not reader.step([("r", 0, 300)]).saves
-    short = side(set(), policy=ClientPolicy(max_entry_tokens=256))
+    short = side(set(), policy=policy(max_entry_tokens=256))
     short.matched_tokens(request("l", TransferParams(save=(piece,))), 0)
     assert "at most 256 tokens" in short.finished("l").refused
 
@@ -231,54 +283,63 @@ def test_tenants_see_only_their_own_entries() -> None:
     mine = Tenant.of_salt("team-a")
     stored = {cache_key(mine.fingerprint(FP), p.entry_ids(PROMPT)) for p in RUN}
     s = side(stored)
-    theirs = request("b", TransferParams(load=RUN, tenant="team-b"))
+    team_b = Admission(Tenant.of_salt("team-b"), "write", True)
+    theirs = request("b", TransferParams(load=RUN), admission=team_b)
     assert s.matched_tokens(theirs, 0) == 0  # nothing loads: nothing is learnt
     shared = request("s", TransferParams(load=RUN))
     assert s.matched_tokens(shared, 0) == 0
-    own = request("a", TransferParams(load=RUN, tenant="team-a"))
+    own = request("a", TransferParams(load=RUN), admission=Admission(mine, "write", True))
     assert s.matched_tokens(own, 0) == 270
     s.allocated(own, 270)
     (load,) = s.step([("a", 270, 30)]).loads
-    assert load.namespace == mine.namespace  # the workers key by it too
+    assert {p.namespace for p in load.pieces} == {mine.namespace}  # the workers key by it too
     assert s.finished("a").fingerprint == mine.fingerprint(FP)
 
 
-def test_a_grant_counts_only_when_signed_with_the_servers_secret() -> None:
-    secret = b"s3cret"
-    tenant = Tenant.of_key_namespace("team-a", secret)
-    digest = key_digest("sk-team-a", secret)
+def test_an_admission_counts_only_when_signed_with_the_servers_secret() -> None:
+    """The door's admission is the one a request is planned by: one that does not
+    verify (forged, unsigned, signed with another secret, or a field changed) loads
+    and stores nothing; the client's own ``tenant`` decides nothing."""
+    tenant = Tenant.of_key_namespace("team-a", SECRET)
+    digest = key_digest("sk-team-a", SECRET)
     keys = {digest: Grant("team-a", "write")}
-    s = side(set(), policy=ClientPolicy(client_role="read", secret=secret, keys=keys.get))
+    s = side(set(), policy=policy(keys=keys.get))
     piece = PieceSpec(0, 300)
-    forged = {"namespace": "team-a", "role": "admin", "mac": "0" * 64}
-    signed = Grant("team-a", "write", digest).signed(secret)
-    for rid, grant in [("forged", forged), ("signed", signed)]:
-        params = TransferParams(save=(piece,), grant=grant)
-        salt = tenant.salt if rid == "signed" else None
-        s.matched_tokens(request(rid, params, salt=salt), 0)
-    saves = s.step([("forged", 0, 300), ("signed", 0, 300)]).saves
-    assert [op.request_id for op in saves] == ["signed"]  # forged: anonymous, read-only
-    assert saves[0].namespace == tenant.namespace
+    admitted = Admission(tenant, "write", True, None, digest, "team-a")
+    signed = admitted.signed(SECRET)
+    cases = {
+        "signed": signed,
+        "forged": {**signed, "mac": "0" * 64},
+        "other secret": admitted.signed(b"not-ours"),
+        "raised": {**signed, "role": "admin"},
+        "none": None,
+    }
+    for rid, raw in cases.items():
+        params = TransferParams(save=(piece,), admission=raw, tenant="team-a")
+        s.matched_tokens(request(rid, params, salt=tenant.salt, admission=None), 0)
+    saves = s.step([(rid, 0, 300) for rid in cases]).saves
+    assert [op.request_id for op in saves] == ["signed"]
+    assert saves[0].pieces[0].namespace == tenant.namespace
+    assert all("no admission" in s.finished(rid).refused for rid in list(cases)[1:])
 
 
-def test_a_revoked_or_changed_keys_grant_stops_counting() -> None:
-    """A grant is bound to its key: once the key file drops the key (or gives it
-    another role), the grants signed for it are anonymous requests'."""
-    secret = b"s3cret"
-    tenant = Tenant.of_key_namespace("team-a", secret)
-    digest = key_digest("sk-team-a", secret)
+def test_a_revoked_or_changed_keys_admission_stops_counting() -> None:
+    """An admission is bound to its key: once the key file drops the key (or gives it
+    another role), the admissions signed for it count no more."""
+    tenant = Tenant.of_key_namespace("team-a", SECRET)
+    digest = key_digest("sk-team-a", SECRET)
     keys = {digest: Grant("team-a", "write")}
-    s = side(set(), policy=ClientPolicy(client_role="read", secret=secret, keys=keys.get))
-    signed = Grant("team-a", "write", digest).signed(secret)
-    unbound = Grant("team-a", "write").signed(secret)  # signed, but of no key
-    cases = {"now": signed, "unbound": unbound, "changed": signed, "revoked": signed}
-    for rid, grant in cases.items():
+    s = side(set(), policy=policy(keys=keys.get))
+    admitted = Admission(tenant, "write", True, None, digest, "team-a")
+    cases = ["now", "changed", "revoked"]
+    for rid in cases:
         if rid == "changed":
             keys[digest] = Grant("team-a", "read")
         if rid == "revoked":
             keys.clear()
-        params = TransferParams(save=(PieceSpec(0, 300),), grant=grant)
-        s.matched_tokens(request(rid, params, salt=tenant.salt), 0)
+        s.matched_tokens(
+            request(rid, TransferParams(save=(PieceSpec(0, 300),)), admission=admitted), 0
+        )
     saves = s.step([(rid, 0, 300) for rid in cases]).saves
     assert [op.request_id for op in saves] == ["now"]
-    assert all(s.finished(rid).refused for rid in ("unbound", "changed", "revoked"))
+    assert all("key file" in s.finished(rid).refused for rid in ("changed", "revoked"))

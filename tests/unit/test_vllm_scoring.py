@@ -17,10 +17,10 @@ from kvrag_integrations.errors import (
     UnsupportedInputError,
 )
 from kvrag_integrations.rerank import KVReranker
-from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.client.scoring import collect, judge_score, query_score
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 from kvrag_integrations.vllm.params import PARAMS_KEY, Reply, TransferParams
-from kvrag_integrations.vllm.scoring import collect, judge_score, query_score
 
 
 class _Tokenizer:

@@ -21,10 +21,10 @@ from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.errors import PagedLayoutError
 from kvrag_integrations.store import MemoryKVStore
 from kvrag_integrations.store.maintenance import StoreBudget
-from kvrag_integrations.vllm.messages import LoadOp, PieceOp, SaveOp
-from kvrag_integrations.vllm.paged import PagedLayout
+from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp, SaveOp
+from kvrag_integrations.vllm.connector.paged import PagedLayout
+from kvrag_integrations.vllm.connector.worker_side import WorkerSide, layer_index
 from kvrag_integrations.vllm.trust import Tenant
-from kvrag_integrations.vllm.worker_side import WorkerSide, layer_index
 
 BLOCK = 4  # tokens per block
 BLOCKS = 12
@@ -195,7 +195,8 @@ def test_a_load_reads_only_its_tenants_entries() -> None:
     side = worker(store)
     piece = (PieceOp(0, 3, (5, 6, 7)),)
     assert side.load(LoadOp("shared", (2,), 0, 3, piece)) == 0  # the shared namespace: absent
-    assert side.load(LoadOp("a", (2,), 0, 3, piece, mine.namespace)) == 3
+    own = (PieceOp(0, 3, (5, 6, 7), 0, mine.namespace),)
+    assert side.load(LoadOp("a", (2,), 0, 3, own)) == 3
 
 
 def test_a_save_reads_the_prompt_back_in_its_tenants_namespace() -> None:
@@ -209,7 +210,8 @@ def test_a_save_reads_the_prompt_back_in_its_tenants_namespace() -> None:
             None, kv.keys[index].transpose(0, 1), kv.values[index].transpose(0, 1), cache, slots
         )
     tenant = Tenant.of_salt("team-a")
-    assert side.save(SaveOp("s", blocks, (PieceOp(0, 5, (1, 2, 3, 4, 5)),), tenant.namespace)) == 1
+    piece = PieceOp(0, 5, (1, 2, 3, 4, 5), 0, tenant.namespace)
+    assert side.save(SaveOp("s", blocks, (piece,))) == 1
     fingerprint = tenant.fingerprint(FP)
     got = store.get(cache_key(fingerprint, [1, 2, 3, 4, 5]), fingerprint)
     assert got is not None and torch.equal(got.keys, kv.keys) and torch.equal(got.values, kv.values)
@@ -238,7 +240,7 @@ def test_a_learned_prompt_is_stored_after_the_step_and_announced_to_the_index() 
     for index, cache in side.caches.items():
         torch.manual_seed(index)
         cache.copy_(torch.randn_like(cache))
-    op = SaveOp("s", blocks, (PieceOp(0, 6, (1, 2, 3, 4, 5, 6)),), "", background=True)
+    op = SaveOp("s", blocks, (PieceOp(0, 6, (1, 2, 3, 4, 5, 6)),), background=True)
     assert side.save(op) == 1
     side._writer.shutdown(wait=True)  # the writer thread has stored it by now
     key = cache_key(FP, [1, 2, 3, 4, 5, 6])
@@ -255,6 +257,6 @@ def test_a_private_entry_is_stored_but_not_announced_to_the_index() -> None:
     store, log = MemoryKVStore(), MemoryIndexLog()
     side = worker(store)
     side.index_log = log
-    op = SaveOp("p", (0, 1), (PieceOp(0, 6, (1, 2, 3, 4, 5, 6)),), "", indexed=False)
+    op = SaveOp("p", (0, 1), (PieceOp(0, 6, (1, 2, 3, 4, 5, 6)),), indexed=False)
     assert side.save(op) == 1
     assert store.contains(cache_key(FP, [1, 2, 3, 4, 5, 6])) and log.read_new() == []

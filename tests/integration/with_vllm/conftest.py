@@ -18,7 +18,7 @@ from redis_helpers import free_port
 from vllm_helpers import KV_CACHE_BYTES, Corpus, VLLMServer
 
 from kvrag_integrations.bench.common import load_items
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 ROOT = Path(__file__).resolve().parents[3]
 MUSIQUE = ROOT.parent / "shared" / "data" / "musique_dev.json"

@@ -12,6 +12,8 @@ are in ``test_vllm_servers.py``.
 
 ``KVRAG_ATTACK_SERVER=url,disk-dir`` points the module at a server started by
 hand instead (how the attacks were shown to succeed on the code before them).
+The attacks on a server at the README's defaults (no key file) are in
+``test_vllm_defaults.py``.
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ import pytest
 from redis_helpers import free_port
 from vllm_helpers import TOP, Corpus, VLLMServer, max_logprob_gap, needs_vllm
 
-from kvrag_integrations.bench.openai_apps import system_prompt, wait_indexed
+from kvrag_integrations.bench.openai_apps import wait_indexed
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.engine.prompting.segments import cache_leading_text
 from kvrag_integrations.store import DiskKVStore
-from kvrag_integrations.vllm.engine import VLLMEngine
-from kvrag_integrations.vllm.gateway import OPEN_ROUTES
+from kvrag_integrations.vllm.client.turbo import load_run
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
+from kvrag_integrations.vllm.server.gateway import OPEN_ROUTES
 from kvrag_integrations.vllm.trust import Tenant, request_salt
-from kvrag_integrations.vllm.turbo import load_run
 
 needs_vllm()
 
@@ -69,12 +71,13 @@ class Target:
         self.honest = VLLMEngine.connect(url)
         self.model = self.honest.model_name
 
-    def post(self, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
-        """A raw completion request, as any client could send it."""
+    def post(self, body: dict[str, Any], key: str | None = None, status: int = 200) -> Any:
+        """A raw completion request, as any client could send it (its answer, or the
+        error of a ``status`` other than 200)."""
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         body = {"model": self.model, "max_tokens": 1, "temperature": 0, **body}
         response = self.http.post("/completions", json=body, headers=headers)
-        assert response.status_code == 200, response.text  # a refusal is never an error
+        assert response.status_code == status, response.text
         return response.json()
 
     def first_logprobs(self, ids: list[int], salt: str | None = None) -> dict[int, float]:
@@ -88,13 +91,12 @@ class Target:
         return {int(t.rsplit(":", 1)[-1]): float(lp) for t, lp in top.items()}
 
     def exact(self, ids: list[int]) -> dict[int, float]:
-        """What a server no attacker reached answers to ``ids`` asked a second time:
-        under a salt of its own (no block of anyone else's), once to fill vLLM's
-        prefix cache with exact blocks, then again (served from them, as a victim's
-        request after an attacker's is: the same kernels, so the same numbers)."""
-        salt = f"exact-{uuid.uuid4().hex}"
-        self.first_logprobs(ids, salt)
-        return self.first_logprobs(ids, salt)
+        """What a server no attacker reached answers to ``ids``: computed afresh under a
+        salt of its own (no block of anyone else's), as the victims here are (an
+        anonymous caller's request, or a new tenant's, meets no cached block: the
+        same kernels, so the same numbers; a block served from vLLM's prefix cache
+        differs by up to 3e-5 on this CPU, a poisoned one by more than 1e-3)."""
+        return self.first_logprobs(ids, f"exact-{uuid.uuid4().hex}")
 
     def entry_ids(self, chunk: str) -> list[int]:
         return self.honest.prompts.chunks_to_encode([chunk], 10**6)[0][1].tolist()
@@ -133,92 +135,6 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         server.stop()
 
 
-# ------------------------------------------------- the defaults: no cross-user oracle
-SECRET_LINE = "Note: the vault code for account 88-A is {code}."
-
-
-def ask(url: str, model: str, context: str, salt: str | None = None) -> tuple[int, int, float]:
-    """A plain chat request (LangChain's RAG prompt, one answer token): its cached
-    and prompt tokens, and its time to that token (seconds)."""
-    body: dict[str, Any] = {"model": model, "max_tokens": 1, "temperature": 0}
-    body["messages"] = [
-        {"role": "system", "content": system_prompt(context)},
-        {"role": "user", "content": "What is the vault code for account 88-A?"},
-    ]
-    if salt is not None:
-        body["cache_salt"] = salt
-    start = time.perf_counter()
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
-    took = time.perf_counter() - start
-    assert response.status_code == 200, response.text
-    usage = response.json()["usage"]
-    return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"], took
-
-
-def probe(url: str, model: str, contexts: dict[str, list[str]], salt: str | None = None) -> dict:
-    """Five probes of each kind of guess, interleaved: cached tokens and median times."""
-    seen: dict[str, list[tuple[int, int, float]]] = {guess: [] for guess in contexts}
-    for i in range(5):
-        for guess, texts in contexts.items():
-            seen[guess].append(ask(url, model, texts[i], salt))
-    return {
-        guess: {
-            "cached": sorted({c for c, _, _ in runs}),
-            "prompt": runs[0][1],
-            "median_s": statistics.median(t for _, _, t in runs),
-            "spread_s": max(t for _, _, t in runs) - min(t for _, _, t in runs),
-        }
-        for guess, runs in seen.items()
-    }
-
-
-def test_at_the_defaults_no_caller_confirms_a_guess_of_anothers_text(
-    musique: Corpus, tmp_path: Path
-) -> None:
-    """Issue 47's attack on a server started as the README starts it: a caller sent
-    a secret among three passages; another guesses it. Right and wrong guesses get
-    the same cached tokens, and times no further apart than the noise. Positive
-    control: a caller of the victim's own tenant (its salt) tells them apart.
-    Passages a writer ingested are still found on an anonymous first request."""
-    server = VLLMServer(f"disk:{tmp_path / 'kv'}", tmp_path, free_port()).wait(900)
-    try:
-        with VLLMEngine.connect(server.url) as writer:
-            model = writer.model_name
-            passages = musique.chunks(57, 3, tag="oracle")
-
-            def context(code: str) -> str:
-                lines = [passages[0], SECRET_LINE.format(code=code), *passages[1:]]
-                return "\n\n".join(lines)
-
-            right = context("7 3 9 1 5 2")
-            # a new wrong guess each time, unlike the others in every digit (within a
-            # tenant, one learned wrong guess would serve the next that is close to it)
-            codes = [" ".join(str((i + 3 * k) % 10) for k in range(6)) for i in range(10)]
-            wrong = [context(code) for code in codes]
-            guesses = {"right": [right] * 5, "wrong": wrong[:5]}
-            ask(server.url, model, right)  # the victim, anonymous
-            time.sleep(3)  # (what a learned prompt would take to land)
-            seen = probe(server.url, model, guesses)
-            assert seen["right"]["cached"] == seen["wrong"]["cached"], seen
-            gap = abs(seen["right"]["median_s"] - seen["wrong"]["median_s"])
-            noise = max(g["spread_s"] for g in seen.values())
-            assert gap <= noise, seen
-            # the positive control: within one tenant (a salt) the guess shows
-            ask(server.url, model, right, salt="tenant-v")
-            time.sleep(3)
-            own = probe(server.url, model, {"right": [right] * 5, "wrong": wrong[5:]}, "tenant-v")
-            assert min(own["right"]["cached"]) >= 0.85 * own["right"]["prompt"], own
-            assert min(own["wrong"]["cached"]) < 0.75 * own["wrong"]["prompt"], own
-            print({"anonymous": seen, "own tenant": own})
-            # what a writer ingests is shared: found on an anonymous first request
-            ingested = musique.chunks(56, 4, tag="oracle-ingest")
-            writer.encode_chunks(ingested, show_progress=False)
-            cached, prompt, _ = ask(server.url, model, "\n\n".join(ingested))
-            assert cached >= 0.85 * prompt, (cached, prompt)
-    finally:
-        server.stop()
-
-
 def honest_answer(target: Target, question: str, chunks: list[str]) -> dict[int, float]:
     result = target.honest.generate(
         question=question, chunks=chunks, max_new_tokens=1, logprobs=TOP
@@ -238,7 +154,9 @@ def test_every_route_of_the_running_server_needs_a_key_once_the_key_file_says_so
         pytest.skip("a server started by hand: its key file is not ours")
     paths = httpx.get(f"{target.url}/openapi.json", timeout=60).json()["paths"]
     routes = [(p, m.upper()) for p, ops in paths.items() for m in ops]
+    # and the routes no schema lists: vLLM's mounted /metrics app, the docs pages
     routes += [("/docs", "GET"), ("/redoc", "GET"), ("/openapi.json", "GET")]
+    routes += [("/metrics", "GET"), ("/metrics/", "GET")]
     assert ("/invocations", "POST") in routes and len(routes) > 20
     original = target.keys.read_text()
     try:
@@ -247,6 +165,10 @@ def test_every_route_of_the_running_server_needs_a_key_once_the_key_file_says_so
             url = target.url + re.sub(r"\{[^}]*\}", "x", path)
             status = httpx.request(method, url, json={}, timeout=60).status_code
             assert (status == 401) == (path not in OPEN_ROUTES), (method, path, status)
+        # /metrics counts everyone's traffic: a writer's key does not open it, an admin's does
+        for key, status in [(KEY_A, 401), ("sk-ops", 200)]:
+            headers = {"Authorization": f"Bearer {key}"}
+            assert httpx.get(f"{target.url}/metrics", headers=headers).status_code == status
         target.post({"prompt": "Hello"}, KEY_A)  # a listed key passes (200)
         kept = {k: v for k, v in KEYS["keys"].items() if k != KEY_A}
         target.keys.write_text(json.dumps({**KEYS, "keys": kept, "anonymous": "none"}))
@@ -311,8 +233,10 @@ def test_overwrite_needs_an_admin_key(target: Target, musique: Corpus) -> None:
         ours = reply["kv_transfer_params"]["kvrag"]
         assert ours["stored"] == 0 and "admin" in ours["refused"]
     assert target.stored(entry) == before
-    forged = {**save["kvrag"], "grant": {"namespace": "", "role": "admin", "mac": "0" * 64}}
-    target.post({"prompt": entry, "kv_transfer_params": {"kvrag": forged}})
+    # an admission is the server's to write: a client's is refused at the door
+    admission = {"tenant": {"namespace": "", "salt": None}, "role": "admin", "mac": "0" * 64}
+    forged = {**save["kvrag"], "admission": admission}
+    target.post({"prompt": entry, "kv_transfer_params": {"kvrag": forged}}, status=400)
     assert target.stored(entry) == before
     reply = target.post({"prompt": entry, "kv_transfer_params": save}, key="sk-ops")
     assert reply["kv_transfer_params"]["kvrag"]["stored"] == 1  # the operator may
@@ -361,12 +285,11 @@ def test_a_tenant_learns_nothing_of_anothers_chunks(
     raw = team_a.build_segments(question=item.question, chunks=stored[::-1])
     prompt = team_a.tokenize(raw)
     layout = [p.as_list() for p in load_run(team_a.prompts, cache_leading_text(prompt))]
-    forged = {"namespace": "team-a", "role": "write", "mac": "0" * 64}
     for key in (None, "sk-team-b"):
         body = {
             "prompt": prompt.input_ids.tolist(),
-            "kv_transfer_params": {"kvrag": {"load": layout, "grant": forged}},
-            "cache_salt": request_salt(Tenant(), layout),
+            "kv_transfer_params": {"kvrag": {"load": layout}},
+            "cache_salt": request_salt(Tenant.of_key_namespace("team-a", b"guessed"), layout),
         }
         reply = target.post(body, key=key)
         head = layout[0][1]
@@ -427,26 +350,48 @@ def test_a_flood_of_encodes_keeps_the_store_within_its_budget(
     assert honest_answer(target, item.question, chunks)
 
 
-# -------------------------------------------------------- malformed params
+# ------------------------------------------------------------- bad input
+DEEP = b'{"kv_transfer_params": ' + b'{"a": ' * 10_000 + b"1" + b"}" * 10_001
+
+
 @pytest.mark.parametrize(
     "ours",
     [
         "load",
-        {"load": [[0, 10**9, []]]},
+        {"load": [[0, 10**9, []]]},  # (beyond the prompt: the hook sees its ids)
         {"load": [[0, 5, [-1]]]},
         {"save": [[0, 1, []]] * 5000},
         {"grant": "admin"},
         {"tenant": {"x": 1}},
         {"load": [[0, 4, list(range(10**4))]]},
+        {"detect": "no"},
     ],
 )
-def test_malformed_params_are_ignored(target: Target, musique: Corpus, ours: Any) -> None:
+def test_malformed_params_are_a_400_and_change_nothing(
+    target: Target, musique: Corpus, ours: Any
+) -> None:
     item = musique.item(59)
     ids = target.honest.tokenizer(f"Question: {item.question}\nAnswer:")["input_ids"]
-    reply = target.post({"prompt": ids, "kv_transfer_params": {"kvrag": ours}})
-    ours = (reply.get("kv_transfer_params") or {}).get("kvrag")
-    assert ours is None or (ours["loaded"], ours["stored"]) == (0, 0)  # ignored, or refused
+    error = target.post({"prompt": ids, "kv_transfer_params": {"kvrag": ours}}, status=400)
+    assert "kvrag" in json.dumps(error)  # the reason names our params
     assert max_logprob_gap(target.first_logprobs(ids), target.exact(ids)) < 1e-5
+    assert target.up()
+
+
+@pytest.mark.parametrize("case", ["deep", "wrong types", "huge"])
+def test_bad_bodies_are_a_4xx_and_the_server_stays_up(target: Target, case: str) -> None:
+    """Nested 10,000 deep (a RecursionError once, a 500), fields of the wrong type,
+    a body past the gateway's bound: refused before vLLM parses them."""
+    headers = {"content-type": "application/json"}
+    if case == "deep":
+        status = target.http.post("/completions", content=DEEP, headers=headers).status_code
+        assert status == 400
+    elif case == "wrong types":
+        for body in ({"cache_salt": ["x"]}, {"kv_transfer_params": "kvrag"}):
+            target.post({"prompt": "hi", **body}, status=400)
+    else:
+        huge = b'{"prompt": "' + b"x" * (65 * 2**20) + b'"}'
+        assert target.http.post("/completions", content=huge, headers=headers).status_code == 413
     assert target.up()
 
 
@@ -474,3 +419,93 @@ def test_a_stored_prompt_carries_no_injected_text_into_anothers_passages(
     again = head + injection + "\n\n" + "\n\n".join(passages[::-1]) + question
     control = target.post({"prompt": again}, KEY_A)["usage"]
     assert control["prompt_tokens_details"]["cached_tokens"] >= 0.5 * control["prompt_tokens"]
+
+
+# ------------------------------------------------------------ issue 54's rounds
+def test_a_field_outside_our_schema_skips_no_admission(target: Target) -> None:
+    """A key holder of the shared namespace sent a PIN. An anonymous caller who adds
+    a field of another connector to ``kv_transfer_params`` is admitted all the same
+    (a salt of its own): its right and wrong guesses get the same cached tokens."""
+    words = "The operator's PIN for the backup vault is {pin}. Keep it secret. " * 20
+    victim = target.post({"prompt": words.format(pin="4 8 1 5")}, key="sk-ops")
+    assert victim["usage"]["prompt_tokens"] > 200
+    cached = {}
+    for pin in ("4 8 1 5", "9 0 7 2"):
+        body = {"prompt": words.format(pin=pin), "kv_transfer_params": {"x": 1}}
+        reply = target.post(body)
+        cached[pin] = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert "x" not in (reply.get("kv_transfer_params") or {})  # ignored, not passed on
+    print({"foreign key, cached": cached})
+    assert cached["4 8 1 5"] == cached["9 0 7 2"] == 0, cached
+
+
+def test_cached_tokens_count_only_what_was_loaded_and_kept(target: Target, musique: Corpus) -> None:
+    """A stored entry the workers reject (here: not an entry at all) is recomputed, and
+    neither ``cached_tokens`` nor the reply counts it: the figure users read is true."""
+    (chunk,) = musique.chunks(62, 1, tag="rejected")
+    entry = target.entry_ids(chunk)
+    key = cache_key(target.honest.fingerprint, entry)
+    path = target.store / key[:2] / f"{key}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"not an entry" * 1000)  # what the lookup sees as stored
+    ids = entry[:-1] + target.honest.tokenizer(" Why?")["input_ids"]
+    load = {"load": [[0, len(entry) - 1, entry[-1:]]]}  # (the chunk's suffix as its tail)
+    reply = target.post({"prompt": ids, "kv_transfer_params": {"kvrag": load}})
+    ours = reply["kv_transfer_params"]["kvrag"]
+    print({"rejected entry": ours, "usage": reply["usage"]})
+    assert ours["loaded"] == 0 and ours["recomputed"] > 0
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert max_logprob_gap(target.first_logprobs(ids), target.exact(ids)) < 1e-5
+
+
+TURNS = 5
+
+
+def chat_turns(target: Target, musique: Corpus, key: str | None, extra: dict) -> list[dict]:
+    """A five-turn chat of ~600-token user turns as a chat client sends it (the
+    whole conversation each turn): each turn's usage; the messages grow in place."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{target.url}/v1", api_key=key or "none")
+    tokenizer = target.honest.tokenizer
+    messages: list[dict] = extra.pop("messages")
+    usages = []
+    for turn in range(TURNS):
+        if len(messages) < 2 * turn + 1:
+            text = "\n\n".join(musique.chunks(70 + turn, 3, tag=f"turn {turn}"))
+            text = tokenizer.decode(tokenizer(text)["input_ids"][:600])
+            messages.append({"role": "user", "content": f"{text}\n\nWhat do these say?"})
+        reply = client.chat.completions.create(
+            model=target.model,
+            messages=messages[: 2 * turn + 1],
+            max_tokens=12,
+            temperature=0,
+            extra_body=extra,
+        )
+        if len(messages) < 2 * turn + 2:
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        usages.append(reply.usage)
+        time.sleep(2)  # (a person reads the answer; what the server stores lands)
+    return usages
+
+
+def test_a_keyed_tenants_chat_keeps_vllms_prefix_cache(target: Target, musique: Corpus) -> None:
+    """Issue 54 point 7: over turns 2-5 of a five-turn chat, a keyed tenant gets at
+    least 0.8x the cached share plain vLLM's prefix cache gives the same messages
+    (vLLM alone: the same server, a fresh tenant, detection off)."""
+    messages: list[dict] = []
+    keyed = chat_turns(target, musique, KEY_A, {"messages": messages})
+    plain_extra = {
+        "messages": messages,
+        "cache_salt": f"plain-{uuid.uuid4().hex}",
+        "kv_transfer_params": {"kvrag": {"detect": False}},
+    }
+    plain = chat_turns(target, musique, None, plain_extra)
+
+    def shares(usages: list) -> list[float]:
+        return [u.prompt_tokens_details.cached_tokens / u.prompt_tokens for u in usages[1:]]
+
+    mine, vllm = statistics.median(shares(keyed)), statistics.median(shares(plain))
+    print({"keyed": shares(keyed), "plain vLLM": shares(plain), "prompt": keyed[-1].prompt_tokens})
+    assert keyed[0].prompt_tokens > 400 and vllm > 0.5
+    assert mine >= 0.8 * vllm, (mine, vllm)

@@ -11,7 +11,7 @@ from corpus import SEARCH_TOOL
 from vllm_helpers import Corpus, needs_vllm
 
 from kvrag_integrations import ContextWindowExceededError, UnsupportedInputError
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 needs_vllm()
 

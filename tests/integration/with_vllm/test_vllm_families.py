@@ -22,7 +22,7 @@ from vllm_helpers import Corpus, logprobs_of, max_logprob_gap, needs_vllm
 
 from kvrag_integrations import KVRAGEngine, MemoryKVStore
 from kvrag_integrations.bench.shapes import bundled_tokenizer
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 needs_vllm()
 

@@ -15,7 +15,7 @@ from langchain_core.vectorstores import InMemoryVectorStore
 from vllm_helpers import needs_vllm
 
 from kvrag_integrations.langchain import ChatKVRAG, MiniLMEmbeddings
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 needs_vllm()
 

@@ -28,7 +28,7 @@ from kvrag_integrations.matching import RedisIndexLog
 from kvrag_integrations.store import RedisKVStore
 from kvrag_integrations.store.quotas import namespace_of
 from kvrag_integrations.store.sizing import REDIS_FRACTION
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 from kvrag_integrations.vllm.trust import Tenant
 
 needs_vllm()

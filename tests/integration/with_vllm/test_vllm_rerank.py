@@ -17,7 +17,7 @@ from vllm_helpers import Corpus, VLLMServer, needs_vllm
 
 from kvrag_integrations.engine import KVRAGEngine
 from kvrag_integrations.rerank import KVReranker
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 needs_vllm()
 

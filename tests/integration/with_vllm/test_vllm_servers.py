@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 from vllm_helpers import Corpus, VLLMServer, exact_reference, max_logprob_gap, needs_vllm
 
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 needs_vllm()
 openai = pytest.importorskip("openai")  # installed with vLLM

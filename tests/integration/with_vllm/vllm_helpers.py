@@ -15,8 +15,8 @@ import torch
 
 from kvrag_integrations.bench.common import RagItem
 from kvrag_integrations.engine.modeling.sampling import SamplingParams
-from kvrag_integrations.vllm.backend import BackendRequest, sampling_args
-from kvrag_integrations.vllm.engine import VLLMEngine
+from kvrag_integrations.vllm.client.backend import BackendRequest, sampling_args
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 from kvrag_integrations.vllm.launch import wait_until_serving
 
 TOP = 20  # log-probabilities compared per first token

@@ -10,11 +10,20 @@ what to load into the blocks just allocated, and what to save once a prompt
 that carries ``save`` pieces has been prefilled (a long one may arrive over
 several steps: chunked prefill).
 
-Nothing a request says is taken on trust (``trust``): it is admitted only
-when its ``cache_salt`` is the one of its tenant and load layout, it reads and
-writes only its tenant's entries, and it may store only its whole prompt as
-one entry, computed exactly. A request that is not admitted loads and stores
-nothing (vLLM computes it exactly); its reply says why.
+Nothing a request says is taken on trust: what it may do was decided where it
+entered the server, and it carries that admission signed
+(``admission.Admission``). Here, at the process boundary, the signature is
+checked (``ClientPolicy.verified``), and the request is admitted only when its
+``cache_salt`` is the one of its admission's tenant and its load layout; it
+reads and writes only its tenant's entries (and its own private ones), and it
+may store only its whole prompt as one entry, computed exactly. A request that
+is not admitted loads and stores nothing (vLLM computes it exactly); its reply
+says why.
+
+``cached_tokens`` stays true: where a worker could not load what the lookup
+promised (an entry corrupt, foreign or gone since), vLLM recomputes it, and the
+request's prefill counts (what vLLM reports as its cached tokens) lose those
+tokens too (``load_failed``).
 
 An encode request for an entry that is stored already saves nothing. Where
 entries are lossless (precision ``"model"``) its prompt loads from the entry
@@ -32,9 +41,10 @@ from typing import Any
 
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.errors import TransferParamsError
-from kvrag_integrations.vllm.messages import LoadOp, PieceOp, SaveOp, StepOps
+from kvrag_integrations.vllm.admission import Admission, ClientPolicy
+from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp, SaveOp, StepOps
 from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
-from kvrag_integrations.vllm.trust import ClientPolicy, Tenant, request_salt
+from kvrag_integrations.vllm.trust import Tenant, request_salt
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +53,7 @@ logger = logging.getLogger(__name__)
 class _Plan:
     """One request's transfers, from its first lookup to its end."""
 
-    tenant: Tenant
+    admission: Admission
     prompt: tuple[int, ...]
     load: tuple[PieceSpec, ...]  # the load run, or the stored save pieces read back
     saves: tuple[PieceSpec, ...]  # the save pieces still to store
@@ -55,8 +65,20 @@ class _Plan:
     recomputed: int = 0
     saved: bool = False
     refused: str = ""
-    background: bool = False  # the save may land after the answer (``params.learn``)
-    indexed: bool = True  # the saved entry is announced in the content index
+    background: bool = False  # the save may land after the answer (``params.deferred``)
+    private: bool = False  # the save goes to the request's private namespace, unindexed
+    request: Any = None  # vLLM's request (its prefill counts are corrected on a failed load)
+
+    @property
+    def tenant(self) -> Tenant:
+        return self.admission.tenant
+
+    def tenant_of(self, piece_private: bool) -> Tenant:
+        """Where a piece's entry is: the tenant's namespace, or the request's own."""
+        if not piece_private:
+            return self.admission.tenant
+        assert self.admission.private is not None  # (checked at admission)
+        return self.admission.private
 
 
 class SchedulerSide:
@@ -68,7 +90,7 @@ class SchedulerSide:
             entry exists.
         contains: the store's existence check.
         block_ids: ``request_id -> block ids`` (vLLM's KV cache manager's).
-        policy: what requests may do (``trust.ClientPolicy``).
+        policy: how admissions are checked (``admission.ClientPolicy``).
         lossless: entries are stored at model precision (a stored entry's
             encode may then load it back: exact).
     """
@@ -84,7 +106,7 @@ class SchedulerSide:
         self.fingerprints = list(fingerprints)
         self.contains = contains
         self.block_ids = block_ids
-        self.policy = policy or ClientPolicy()
+        self.policy = policy or ClientPolicy(False, "read", 0, None)  # admits nothing unsigned
         self.lossless = lossless
         self.plans: dict[str, _Plan] = {}
 
@@ -94,6 +116,7 @@ class SchedulerSide:
         plan = self._plan(request)
         if plan is None or not plan.load:
             return 0
+        plan.request = request
         if plan.until is None:
             plan.until = self._stored_end(plan)
         limit = min(plan.until, len(plan.prompt) - 1)  # vLLM computes at least one token
@@ -121,7 +144,7 @@ class SchedulerSide:
             plan = self._admit(params, prompt, getattr(request, "cache_salt", None))
         except TransferParamsError as exc:
             logger.warning("request %s: not admitted (%s)", request.request_id, exc)
-            plan = _Plan(Tenant(), prompt, (), (), [], refused=str(exc))
+            plan = _Plan(Admission(Tenant(), "read"), prompt, (), (), [], refused=str(exc))
         self.plans[request.request_id] = plan
         return plan
 
@@ -134,12 +157,17 @@ class SchedulerSide:
         params.check_prompt(len(prompt))
         loads = bool(params.load)
         policy = self.policy
-        tenant, role = policy.tenant_and_role(params.tenant, params.grant, salt, loads)
+        admission = policy.verified(params.admission, params.tenant)
+        tenant, role = admission.tenant, admission.role
         if (salt or None) != request_salt(tenant, params.layout):
             raise TransferParamsError(
                 "its cache_salt is not the one of its tenant and load layout "
                 "(kvrag_integrations.vllm.trust.request_salt)"
             )
+        if admission.private is None and (
+            params.private or any(piece.private for piece in params.load)
+        ):
+            raise TransferParamsError("only a request with a private namespace has entries there")
         saves = params.save
         if saves:
             if role == "read":
@@ -154,13 +182,15 @@ class SchedulerSide:
                 )
             if params.overwrite and role != "admin":
                 raise TransferParamsError("overwriting entries needs the admin role")
-        keys = [self._key(p.entry_ids(prompt), tenant) for p in saves]
-        load = params.load
-        if saves and not params.overwrite and self._stored(prompt, tenant):
+        plan = _Plan(admission, prompt, params.load, saves, [], background=params.deferred)
+        plan.private = params.private
+        home = plan.tenant_of(params.private)  # where the save goes
+        plan.keys = [self._key(p.entry_ids(prompt), home) for p in saves]
+        if saves and not params.overwrite and self._stored(prompt, home):
             # Stored already: nothing to save; read back only where that is exact.
-            load, saves = ((saves[0],) if self.lossless else ()), ()
-        indexed = not params.private
-        return _Plan(tenant, prompt, load, saves, keys, background=params.learn, indexed=indexed)
+            read_back = PieceSpec(0, len(prompt), private=params.private)
+            plan.load, plan.saves = ((read_back,) if self.lossless else ()), ()
+        return plan
 
     def _key(self, entry_ids: Sequence[int], tenant: Tenant, rank: int = 0) -> str:
         return cache_key(tenant.fingerprint(self.fingerprints[rank]), list(entry_ids))
@@ -172,7 +202,7 @@ class SchedulerSide:
     def _stored_end(self, plan: _Plan) -> int:
         end = 0
         for piece in plan.load:
-            if not self._stored(piece.entry_ids(plan.prompt), plan.tenant):
+            if not self._stored(piece.entry_ids(plan.prompt), plan.tenant_of(piece.private)):
                 break
             end = piece.end
         return end
@@ -193,28 +223,32 @@ class SchedulerSide:
                 continue
             if plan.pending:
                 lo, hi = computed - plan.pending, computed
-                pieces = _overlapping(plan.load, plan.prompt, lo, hi)
+                pieces = _overlapping(plan, plan.load, lo, hi)
                 blocks = self._blocks(request_id)
-                ops.loads.append(LoadOp(request_id, blocks, lo, hi, pieces, plan.tenant.namespace))
+                ops.loads.append(LoadOp(request_id, blocks, lo, hi, pieces))
                 # (a request preempted and resumed loads again: this load is what counts)
                 plan.loaded, plan.pending, plan.load_hi = hi - lo, 0, hi
             if plan.saves and not plan.saved and computed + count >= len(plan.prompt):
-                pieces = _overlapping(plan.saves, plan.prompt, 0, len(plan.prompt))
+                pieces = _overlapping(plan, plan.saves, 0, len(plan.prompt), plan.private)
                 blocks = self._blocks(request_id)
-                namespace = plan.tenant.namespace
-                op = SaveOp(request_id, blocks, pieces, namespace, plan.background, plan.indexed)
+                indexed = not plan.private  # (a private entry: found by no one)
+                op = SaveOp(request_id, blocks, pieces, plan.background, indexed)
                 ops.saves.append(op)
                 plan.saved = True
         return ops
 
     def load_failed(self, request_id: str, position: int) -> None:
         """A worker could not load the request from ``position`` on (vLLM
-        recomputes from there): those tokens were not reused."""
+        recomputes from there): those tokens were not reused, and vLLM's count
+        of the request's cached tokens loses them (vLLM counted them when the
+        lookup promised them; it reports the count with the request's first
+        output, which comes after the recompute)."""
         plan = self.plans.get(request_id)
         if plan is not None and position < plan.load_hi:
             lost = plan.load_hi - position
             plan.loaded, plan.recomputed = plan.loaded - lost, plan.recomputed + lost
             plan.load_hi = position
+            _uncount(plan.request, lost)
 
     def _blocks(self, request_id: str) -> tuple[int, ...]:
         return tuple(self.block_ids(request_id))
@@ -233,6 +267,31 @@ class SchedulerSide:
 
 
 def _overlapping(
-    pieces: Sequence[PieceSpec], prompt: Sequence[int], lo: int, hi: int
+    plan: _Plan, pieces: Sequence[PieceSpec], lo: int, hi: int, private: bool = False
 ) -> tuple[PieceOp, ...]:
-    return tuple(p.op(prompt) for p in pieces if p.start < hi and p.end > lo)
+    """The pieces over positions ``lo .. hi`` as the workers get them: each span, its
+    entry's ids, the entry row it starts at, and the namespace its entry is in."""
+    return tuple(
+        PieceOp(
+            p.start,
+            p.rows,
+            tuple(p.entry_ids(plan.prompt)),
+            len(p.lead),
+            plan.tenant_of(p.private or private).namespace,
+        )
+        for p in pieces
+        if p.start < hi and p.end > lo
+    )
+
+
+def _uncount(request: Any, lost: int) -> None:
+    """Take ``lost`` tokens out of the cached ones vLLM counted for ``request``'s
+    prefill (``Request.prefill_stats``, vLLM 0.32: ``num_cached_tokens`` is what
+    the server reports as ``cached_tokens``)."""
+    stats = getattr(request, "prefill_stats", None)
+    if stats is None or not hasattr(stats, "num_external_cached_tokens"):
+        return
+    lost = min(lost, stats.num_external_cached_tokens)
+    stats.num_external_cached_tokens -= lost
+    stats.num_cached_tokens -= lost
+    stats.num_computed_tokens += lost

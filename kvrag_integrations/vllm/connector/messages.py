@@ -4,9 +4,9 @@ vLLM carries them between processes as the connector's metadata: the
 scheduler's ``build_connector_meta`` returns a ``KVRAGConnectorMetadata`` of
 the step's ``StepOps`` (loads before the forward, saves after it), and each
 worker's ``build_connector_worker_meta`` a ``KVRAGWorkerMetadata`` of the
-requests whose load failed. Everything a worker needs is in the op (the
-pieces' entry ids, the request's namespace): it keys entries itself, by its
-own rank's fingerprint.
+requests whose load failed. Everything a worker needs is in the op (each
+piece's entry ids and the namespace its entry is in): it keys entries itself,
+by its own rank's fingerprint.
 
 vLLM is imported only where it is installed: the unit tier builds and reads
 these messages without it.
@@ -28,14 +28,16 @@ except ImportError:  # the unit tier: the same messages, without vLLM
 
 @dataclass(frozen=True)
 class PieceOp:
-    """One piece for the workers: its prompt span, its entry's ids, and the entry
-    row the span starts at (``params.PieceSpec.op`` resolves them against the
-    prompt): prompt positions ``start ..`` are entry rows ``offset ..``."""
+    """One piece for the workers: its prompt span, its entry's ids, the entry row
+    the span starts at (the scheduler side resolves them against the prompt:
+    prompt positions ``start ..`` are entry rows ``offset ..``), and the
+    namespace the entry is in (its request's tenant's, or the request's own)."""
 
     start: int
     rows: int
     entry_ids: tuple[int, ...]
     offset: int = 0
+    namespace: str = ""
 
     @property
     def end(self) -> int:
@@ -51,7 +53,6 @@ class LoadOp:
     lo: int
     hi: int
     pieces: tuple[PieceOp, ...]
-    namespace: str = ""  # the request's tenant's (entries are keyed by it)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,6 @@ class SaveOp:
     request_id: str
     block_ids: tuple[int, ...]
     pieces: tuple[PieceOp, ...]
-    namespace: str = ""
     background: bool = False  # stored after the step (a learned prompt: nothing waits)
     indexed: bool = True  # announced in the content index (not: a private entry)
 

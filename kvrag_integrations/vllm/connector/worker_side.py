@@ -18,7 +18,8 @@ it were valid.
 
 Saving (after the step's forward): the piece's K/V are read back out of the
 blocks (``PagedLayout``), stored in the configured precision under the key of
-its ids, in the request's tenant's namespace. A write the store's budget or
+its ids, in the namespace the piece names (its request's tenant's, or the
+request's own private one). A write the store's budget or
 its namespace's quota cannot hold (``StoreBudget``: least recently used
 entries are evicted first) is skipped. A failed write is logged; the piece is then a miss for later
 requests. A stored entry is announced in the content index's log, where the
@@ -33,7 +34,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Any
 
 import torch
@@ -43,8 +43,8 @@ from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store import KVStore
 from kvrag_integrations.store.maintenance import StoreBudget
-from kvrag_integrations.vllm.messages import LoadOp, PieceOp, SaveOp
-from kvrag_integrations.vllm.paged import PagedLayout
+from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp, SaveOp
+from kvrag_integrations.vllm.connector.paged import PagedLayout
 from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class WorkerSide:
         failed_at: int | None = None
         read = self._read_entries(op)
         for piece in op.pieces:
-            kv = read[piece.entry_ids]
+            kv = read[_entry_of(piece)]
             if kv is None:
                 failed_at = max(piece.start, op.lo)
                 break
@@ -174,21 +174,20 @@ class WorkerSide:
         """Each entry of ``op``'s pieces, read and verified once (pieces of one entry
         share it); on threads where the store waits on I/O (a disk or Redis read
         of a 6k-token prompt's entries takes half the time on two)."""
-        pieces = list({piece.entry_ids: piece for piece in op.pieces}.values())
-        read = partial(self._entry, namespace=op.namespace)
+        pieces = list({_entry_of(piece): piece for piece in op.pieces}.values())
         if len(pieces) > 1 and self.store.parallel_reads:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(_READ_THREADS, "kvrag-read")
-            entries = list(self._readers.map(read, pieces))
+            entries = list(self._readers.map(self._entry, pieces))
         else:
-            entries = [read(piece) for piece in pieces]
-        return {piece.entry_ids: kv for piece, kv in zip(pieces, entries)}
+            entries = [self._entry(piece) for piece in pieces]
+        return {_entry_of(piece): kv for piece, kv in zip(pieces, entries)}
 
     def _fingerprint(self, namespace: str) -> str:
         return Tenant(namespace).fingerprint(self.fingerprint)
 
-    def _entry(self, piece: PieceOp, namespace: str) -> ChunkKV | None:
-        fingerprint = self._fingerprint(namespace)
+    def _entry(self, piece: PieceOp) -> ChunkKV | None:
+        fingerprint = self._fingerprint(piece.namespace)
         key = cache_key(fingerprint, list(piece.entry_ids))
         try:
             kv = self.store.get(key, fingerprint)  # verified; a bad entry is a miss
@@ -314,7 +313,7 @@ class WorkerSide:
                     _entry_bytes(kv), kv.fingerprint, kv.key
                 )
                 if not admitted:
-                    logger.warning("request %s: entry larger than its quota", request_id)
+                    logger.info("request %s: no room for its entry within its quota", request_id)
                     return 0
                 self.store.put(kv)
         except StoreWriteError as exc:
@@ -339,7 +338,7 @@ class WorkerSide:
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         ids = torch.tensor(piece.entry_ids, dtype=torch.long)
-        fingerprint = self._fingerprint(op.namespace)
+        fingerprint = self._fingerprint(piece.namespace)
         return ChunkKV(ids, torch.stack(keys), torch.stack(values), fingerprint)
 
     def take_failed_blocks(self) -> set[int]:
@@ -349,6 +348,11 @@ class WorkerSide:
     def take_failed_loads(self) -> dict[str, int]:
         failed, self.failed_loads = self.failed_loads, {}
         return failed
+
+
+def _entry_of(piece: PieceOp) -> tuple[str, tuple[int, ...]]:
+    """What names a piece's entry: its namespace and its ids."""
+    return piece.namespace, piece.entry_ids
 
 
 def _readable(kv: ChunkKV, device: torch.device) -> ChunkKV:

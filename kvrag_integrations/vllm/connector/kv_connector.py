@@ -35,10 +35,10 @@ from kvrag_integrations.vllm.config import (
     NO_BUDGET,
     ConnectorSettings,
 )
+from kvrag_integrations.vllm.connector.messages import KVRAGConnectorMetadata, KVRAGWorkerMetadata
+from kvrag_integrations.vllm.connector.scheduler_side import SchedulerSide
+from kvrag_integrations.vllm.connector.worker_side import WorkerSide
 from kvrag_integrations.vllm.identity import connector_fingerprints, model_folder, rank_layout
-from kvrag_integrations.vllm.messages import KVRAGConnectorMetadata, KVRAGWorkerMetadata
-from kvrag_integrations.vllm.scheduler_side import SchedulerSide
-from kvrag_integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +79,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from kvrag_integrations.vllm.gateway import KeyRing
+            from kvrag_integrations.vllm.keys import KeyRing
 
             policy = self.settings.policy(KeyRing.from_env())
             self._scheduler = SchedulerSide(
@@ -149,6 +149,14 @@ class KVRAGConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """vLLM (scheduler, each time a waiting request may be scheduled): how many
+        prompt tokens beyond ``num_computed_tokens`` (vLLM's own prefix-cache hit)
+        the connector can load, and whether it loads them asynchronously. Only
+        tokens whose K/V is available now may count.
+
+        Here: the request's admission is checked (``SchedulerSide``), and its
+        load run's stored prefix, less the last prompt token, counts; loads are
+        synchronous (``False``)."""
         assert self._scheduler is not None
         matched = self._scheduler.matched_tokens(request, num_computed_tokens)
         if matched and getattr(request, "skip_reading_prefix_cache", False):
@@ -168,10 +176,17 @@ class KVRAGConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        """vLLM (scheduler): blocks are allocated for the request, and
+        ``num_external_tokens`` of them are to be loaded (0: none, whatever
+        ``blocks`` holds). Here: the load is noted for the next step's metadata."""
         assert self._scheduler is not None
         self._scheduler.allocated(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """vLLM (scheduler, once per step): what the workers transfer this step; it
+        must not change ``scheduler_output``. Here: the loads of blocks just
+        allocated (before the forward) and the saves of prompts this step
+        completes (after it), each piece keyed by its entry's ids and namespace."""
         assert self._scheduler is not None
         counts = scheduler_output.num_scheduled_tokens
         scheduled = [
@@ -186,6 +201,9 @@ class KVRAGConnector(KVConnectorBase_V1):
         return KVRAGConnectorMetadata(self._scheduler.step(scheduled))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """vLLM (scheduler, after each step): what the workers reported. Here: the
+        requests whose load failed, and where vLLM recomputes each from (their
+        replies and cached-token counts lose those tokens)."""
         assert self._scheduler is not None
         meta = connector_output.kv_connector_worker_meta
         for request_id, position in getattr(meta, "failed_loads", {}).items():
@@ -194,17 +212,28 @@ class KVRAGConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM (scheduler, exactly once per request, before its blocks are freed):
+        whether the connector still needs the blocks (True: it frees them later),
+        and the ``kv_transfer_params`` of the request's output. Here: nothing is
+        held (saves finish within their step), and the reply (``params.Reply``)."""
         assert self._scheduler is not None
         reply = self._scheduler.finished(request.request_id)
         return False, reply.as_params() if reply is not None else None
 
     # =============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM (worker, once at start): each attention layer's paged cache by layer
+        name. Here: noted by decoder layer, with vLLM's attention layer of each
+        (their write op is probed at the first load)."""
         assert self._worker is not None
         attention = self._vllm_config.compilation_config.static_forward_context
         self._worker.register(kv_caches, attention)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """vLLM (worker, before each step's forward): start the loads the step's
+        metadata names; those its forward reads must be in place before it runs.
+        Here: every load is written whole before returning (a piece that cannot be
+        read is reported by ``get_block_ids_with_load_errors``)."""
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRAGConnectorMetadata)
@@ -212,14 +241,24 @@ class KVRAGConnector(KVConnectorBase_V1):
             self._worker.load(op)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv
+        """vLLM (worker, in each attention layer): block until that layer's load is
+        in the paged cache. Here: nothing to wait for (``start_load_kv`` is done)."""
+        return
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # saved whole in wait_for_save, once the prompt is prefilled
+        """vLLM (worker, in each attention layer): start saving that layer. Here:
+        nothing; an entry is saved whole in ``wait_for_save``, once its prompt is
+        prefilled (a long prompt arrives over several steps)."""
+        return
 
     def wait_for_save(self) -> None:
+        """vLLM (worker, once per step, after the forward, metadata still bound):
+        submit the step's saves; a save that outlives the call must keep its
+        blocks until it reports done. Here: each entry is read out of the cache
+        and stored before returning (a learned prompt's copy is stored by a writer
+        thread: its blocks are not read again)."""
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRAGConnectorMetadata)
@@ -227,8 +266,13 @@ class KVRAGConnector(KVConnectorBase_V1):
             self._worker.save(op)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM (worker, after a step): the blocks whose load failed in it (for
+        synchronous loads, in the step that found it); vLLM recomputes them
+        (``kv_load_failure_policy="recompute"``)."""
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """vLLM (worker, after a step): what to tell the scheduler side (ranks'
+        metadata aggregate). Here: the requests whose load failed, and where."""
         failed = self._worker.take_failed_loads() if self._worker is not None else {}
         return KVRAGWorkerMetadata(failed) if failed else None

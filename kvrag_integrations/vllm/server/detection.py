@@ -18,23 +18,30 @@ prompt can carry text another request never sent into its answer.
 Loading rows of an entry at another position, after other text, is TurboRAG's
 approximation (a passage encoded in another context, keys re-rotated).
 
-What it learns (``Detection.learn_prompt``, ``Detection.learn``): a request that
-would reuse little runs exactly and stores its whole prompt as one entry (exact:
-computed from position 0, loading nothing), so its passages, head and glue are
-found in the next request that shows them, in any order. Short glue between
-found passages that is stored nowhere (``Detection.glue``) is encoded on its own
-(as a chunk is: a step of a few tokens) before the request is planned again; a
-long unknown remainder after the loaded run is encoded in the background.
+What is stored of what a request sent depends on its admission
+(``admission.Admission``):
+
+- **A tenant that keeps** (a key's or a salt's namespace): a request that would
+  reuse little runs exactly and its whole prompt is learned as one entry (exact:
+  computed from position 0, loading nothing), so its passages, head and glue are
+  found in the tenant's next request that shows them, in any order. Short glue
+  between found passages that is stored nowhere (``Detection.glue``) is encoded
+  on its own (a step of a few tokens) before the request is planned again; a
+  long unknown remainder after the loaded run is encoded in the background
+  (``Detection.remainder``).
+- **A request with a private namespace** (an anonymous caller, a key of the
+  shared namespace): every text it brings between or before found passages is
+  encoded for it alone (``Own``: under its secret suffix, in its own namespace,
+  never indexed), and nothing else is stored: its course is the same whatever
+  any other caller sent before it.
+- **A reader** stores nothing: the load stops at the first text no entry holds.
 
 A longer unknown text before the first found passages (an agent's new question
 and tool call, ahead of the passages its tool returned: ``Detection.prefix``)
 would stop the load at position 0, since vLLM's external tokens are a prefix of
 the prompt. The prompt's whole prefix up to those passages is then computed
-exactly first and stored, and the request is planned again with it as its first
-piece: in a tenant's own namespace as learned glue (found by the index like any
-entry); for a caller that may not teach the shared namespace, as a private
-entry (``detect(prefix=...)``; ``reuse_hook`` stores it under ids only that
-request knows, unindexed, and drops it after the request).
+exactly first and stored (as glue is), and the request is planned again with
+it as its first piece.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from typing import Protocol
 
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.matching import ContentIndex
+from kvrag_integrations.vllm.config import DEFAULT_LEARN_MIN_TOKENS, DEFAULT_MAX_ENTRY_TOKENS
 from kvrag_integrations.vllm.params import PieceSpec
 
 MAX_GLUE_TOKENS = 32  # text between two found passages that is looked up (and learned) as glue
@@ -55,8 +63,7 @@ MAX_GLUE_TOKENS = 32  # text between two found passages that is looked up (and l
 MAX_PREFIX_TOKENS = 1024
 MIN_PREFIX_GAIN = 64
 MIN_SHARE = 0.5  # a request that would load less than this share runs exactly and is learned
-LEARN_MIN_TOKENS = 256  # shorter prompts (and remainders) are not worth an entry
-MAX_LEARN_PER_REQUEST = 8  # background encodes one request may start
+MAX_ENCODES_PER_REQUEST = 8  # glue spans one request may have encoded
 MAX_FOREIGN_TOKENS = 4  # what rows read from inside an entry may have attended to unseen
 
 
@@ -81,6 +88,17 @@ class RunIndex(Protocol):
 
 
 @dataclass(frozen=True)
+class Own:
+    """A request's own texts: where they are stored for it alone (the storage
+    fingerprint of its private namespace), the secret suffix their entries' ids
+    end in, and the spans of it encoded so far."""
+
+    fingerprint: str
+    tail: tuple[int, ...]
+    ready: frozenset[tuple[int, ...]] = frozenset()
+
+
+@dataclass(frozen=True)
 class Detection:
     """What the server does with one request.
 
@@ -88,12 +106,12 @@ class Detection:
         load: the leading run of stored pieces to load (empty: load nothing).
         learn_prompt: store the whole prompt as one entry (the request then loads
             nothing and is computed exactly).
-        learn: id spans to encode on their own in the background (a long unknown
-            remainder after the load).
-        glue: short text between found passages that no entry holds yet: encoded
-            on its own (a step of a few tokens), the request is planned again
-            (where the request may teach its namespace, also the prompt's prefix
-            up to ``prefix``).
+        remainder: id spans to encode on their own in the background (a long
+            unknown remainder after the load).
+        glue: short text between found passages (and the prompt's prefix up to
+            ``prefix``) that no entry holds yet: encoded on its own (a step of a
+            few tokens), in the tenant's namespace or the request's own, before
+            the request is planned again.
         reason: why the load stops where it does (logged).
         prefix: where the found passages after a longer unknown text at the
             prompt's start begin (0: none such): the prompt's prefix up to there,
@@ -102,7 +120,7 @@ class Detection:
 
     load: tuple[PieceSpec, ...] = ()
     learn_prompt: bool = False
-    learn: tuple[tuple[int, ...], ...] = ()
+    remainder: tuple[tuple[int, ...], ...] = ()
     glue: tuple[tuple[int, ...], ...] = ()
     reason: str = ""
     prefix: int = 0
@@ -130,8 +148,8 @@ class Detector:
     index: RunIndex
     contains: Callable[[str], bool]
     base_fingerprint: str
-    max_entry_tokens: int = 4096
-    learn_min_tokens: int = LEARN_MIN_TOKENS
+    max_entry_tokens: int = DEFAULT_MAX_ENTRY_TOKENS
+    learn_min_tokens: int = DEFAULT_LEARN_MIN_TOKENS
     max_glue_tokens: int = MAX_GLUE_TOKENS
     max_prefix_tokens: int = MAX_PREFIX_TOKENS
     min_share: float = MIN_SHARE
@@ -139,56 +157,41 @@ class Detector:
     _known: dict[str, bool] = field(default_factory=dict, repr=False)
 
     def detect(
-        self,
-        fingerprint: str,
-        prompt: Sequence[int],
-        may_learn: bool,
-        fresh_glue: bool = False,
-        prefix: PieceSpec | None = None,
+        self, fingerprint: str, prompt: Sequence[int], keeps: bool, own: Own | None = None
     ) -> Detection:
         """The plan for ``prompt`` in the namespace of ``fingerprint`` (the tenant's
-        storage fingerprint); ``may_learn``: the server may store what the caller
-        sent (its prompt, remainder, and the glue no entry holds yet, the prompt's
-        unknown prefix before found passages among it).
-
-        ``fresh_glue``: every glue between found passages is to be encoded, stored
-        or not (``Detection.glue``), though nothing else is learned: in the shared
-        namespace, a request then takes the same course whatever others sent
-        before it (a glue stored already is encoded again, and saved no twice).
-
-        ``prefix``: the prompt's first piece, stored for this request alone (its
-        private entry of the ids before ``Detection.prefix``): the run goes on
-        from its end."""
+        storage fingerprint). ``keeps``: the server may store what the caller sent
+        in that namespace (its prompt, a remainder, glue and a prefix no entry
+        holds yet). ``own``: the request's private namespace, where its glue and
+        prefix go instead (and nothing else of it is stored); neither: a reader,
+        nothing stored."""
         self._known.clear()  # existence is asked afresh for each request
         prompt = list(prompt)
         runs = self._stored_runs(fingerprint, prompt)
         learnable = 0 < self.learn_min_tokens <= len(prompt) <= self.max_entry_tokens
-        learn_prompt = may_learn and learnable
-        if not runs and prefix is None:
-            reason = "no stored passage in the prompt"
-            return Detection(learn_prompt=learn_prompt, reason=reason)
-        pieces, glue, end, reason, head = self._run(fingerprint, prompt, runs, fresh_glue, prefix)
-        if head and may_learn:
-            glue.insert(0, tuple(prompt[:head]))  # the exact prefix, first
-        learns_glue = may_learn or fresh_glue
-        unknown_glue = tuple(dict.fromkeys(glue))[:MAX_LEARN_PER_REQUEST] if learns_glue else ()
+        learn_prompt = keeps and learnable
+        if not runs:
+            return Detection(learn_prompt=learn_prompt, reason="no stored passage in the prompt")
+        pieces, glue, end, reason, head = self._run(fingerprint, prompt, runs, own)
+        encodes = keeps or own is not None
+        glue = tuple(dict.fromkeys(glue))[: MAX_ENCODES_PER_REQUEST + 1] if encodes else ()
         if end < self.min_share * len(prompt) and learn_prompt:
             # Little to reuse: computing it all costs about as much, and the whole
             # prompt stored makes every passage in it reusable in any order next time.
             return Detection(
                 learn_prompt=True,
-                glue=unknown_glue,
+                glue=glue,
                 reason=f"{reason}; only {end} of {len(prompt)} tokens reusable: computed "
                 "and stored whole",
                 prefix=head,
             )
-        learn = []
+        remainder = []
         rest = len(prompt) - end
-        if may_learn and self.learn_min_tokens and self.learn_min_tokens <= rest:
+        if keeps and self.learn_min_tokens and self.learn_min_tokens <= rest:
             span = tuple(prompt[end : end + self.max_entry_tokens])
             if not self._stored(fingerprint, span):
-                learn.append(span)
-        return Detection(tuple(pieces), False, tuple(learn), unknown_glue, reason, head)
+                remainder.append(span)
+        return Detection(tuple(pieces), False, tuple(remainder), glue, reason, head)
 
     def _stored_runs(self, fingerprint: str, prompt: list[int]) -> list[RunLike]:
         """The index's cover of ``prompt`` by runs whose context it holds
@@ -209,20 +212,23 @@ class Detector:
         return []
 
     def _run(
-        self,
-        fingerprint: str,
-        prompt: list[int],
-        runs: Sequence[RunLike],
-        fresh_glue: bool,
-        prefix: PieceSpec | None,
+        self, fingerprint: str, prompt: list[int], runs: Sequence[RunLike], own: Own | None
     ) -> tuple[list[PieceSpec], list[tuple[int, ...]], int, str, int]:
         """The leading run of pieces (found passages, stored glue between them),
-        the unknown glue seen anywhere, where the run ends, why, and where found
-        passages after a longer unknown prefix begin (0: none, or too few)."""
-        pieces: list[PieceSpec] = [prefix] if prefix is not None else []
+        the unknown glue and prefix seen, where the run ends, why, and where
+        found passages after a longer unknown prefix begin (0: none, or too few)."""
+        head = self._head(runs)
+        pieces: list[PieceSpec] = []
         glue: list[tuple[int, ...]] = []
-        position, stop = (prefix.end if prefix is not None else 0), ""
-        head, gain, counting = 0, 0, False  # the unknown prefix's end; found after it
+        position, stop = 0, ""
+        if head:
+            span = tuple(prompt[:head])
+            piece = self._text(fingerprint, 0, span, own)
+            if piece is None:
+                glue.append(span)  # (first: computed before the rest is planned again)
+            else:
+                pieces.append(piece)
+                position = head
         for run in runs:
             if run.start < position:  # (inside the prefix: its own entry holds it)
                 if run.start + run.length <= position:
@@ -232,28 +238,51 @@ class Detector:
             if run.start > position:
                 gap = tuple(prompt[position : run.start])
                 if len(gap) > self.max_glue_tokens:
-                    if not stop and prefix is None and run.start <= self.max_prefix_tokens:
-                        head, counting = run.start, True
-                    elif counting:
-                        counting = False  # what loads after the prefix ends here
                     stop = stop or f"{len(gap)} unknown tokens at {position}"
-                elif not fresh_glue and self._stored(fingerprint, gap):
-                    if not stop:
-                        pieces.append(PieceSpec(position, len(gap)))
-                else:
+                elif (piece := self._text(fingerprint, position, gap, own)) is None:
                     glue.append(gap)
                     stop = stop or f"glue of {len(gap)} tokens at {position} not stored yet"
+                elif not stop:
+                    pieces.append(piece)
             if not stop:
                 lead = run.entry[: run.offset]
                 tail = run.entry[run.offset + run.length :]
                 pieces.append(PieceSpec(run.start, run.length, tuple(tail), tuple(lead)))
-            gain += run.length if counting else 0
             position = run.start + run.length
         end = pieces[-1].end if pieces else 0
         if not stop:
             stop = "the prompt's unknown remainder" if end < len(prompt) else "all stored"
-        head = head if gain >= MIN_PREFIX_GAIN else 0
         return pieces, glue, end, stop, head
+
+    def _head(self, runs: Sequence[RunLike]) -> int:
+        """Where found passages begin after the prompt's first longer unknown text,
+        where that is within ``max_prefix_tokens`` of the start (0: none such, or
+        fewer than ``MIN_PREFIX_GAIN`` found tokens follow it before the next)."""
+        position, head, gain = 0, 0, 0
+        for run in runs:
+            if run.start + run.length <= position:
+                continue
+            if run.start - position > self.max_glue_tokens:
+                if head:
+                    break  # what loads after the prefix ends here
+                if run.start > self.max_prefix_tokens:
+                    return 0
+                head = run.start
+            if head:
+                gain += run.start + run.length - max(run.start, position)
+            position = run.start + run.length
+        return head if gain >= MIN_PREFIX_GAIN else 0
+
+    def _text(
+        self, fingerprint: str, start: int, span: tuple[int, ...], own: Own | None
+    ) -> PieceSpec | None:
+        """The piece of a text between (or before) found passages, where it is
+        stored: the request's own entry of it where it has a private namespace,
+        else the tenant's (None: not stored)."""
+        if own is not None:
+            ready = span in own.ready
+            return PieceSpec(start, len(span), own.tail, private=True) if ready else None
+        return PieceSpec(start, len(span)) if self._stored(fingerprint, span) else None
 
     def _stored(self, fingerprint: str, ids: Sequence[int]) -> bool:
         key = cache_key(fingerprint, list(ids))

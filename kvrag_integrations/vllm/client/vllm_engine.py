@@ -51,12 +51,12 @@ from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, ch
 from kvrag_integrations.engine.streaming import Job
 from kvrag_integrations.engine.tools.plan import ToolPlan
 from kvrag_integrations.errors import ConnectorMissingError, TransferParamsError
-from kvrag_integrations.vllm import launch
-from kvrag_integrations.vllm.backend import Backend, BackendRequest, sampling_args
+from kvrag_integrations.vllm.client import start
+from kvrag_integrations.vllm.client.backend import Backend, BackendRequest, sampling_args
+from kvrag_integrations.vllm.client.scoring import VLLMScoring
+from kvrag_integrations.vllm.client.turbo import account, check_strategy, load_run
 from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
-from kvrag_integrations.vllm.scoring import VLLMScoring
 from kvrag_integrations.vllm.trust import Tenant
-from kvrag_integrations.vllm.turbo import account, check_strategy, load_run
 
 logger = logging.getLogger(__name__)
 
@@ -133,11 +133,11 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
         cache_salt: str | None = None,
         **launch_args: Any,
     ) -> VLLMEngine:
-        """vLLM in this process with the connector (``launch.start_local``: ``store``,
+        """vLLM in this process with the connector (``start.start_local``: ``store``,
         ``cache_precision``, ``dtype``, ``memory_tier_bytes``, ``max_store_bytes``
         and vLLM's own engine arguments); the other arguments as the constructor's.
         """
-        parts = launch.start_local(model, **launch_args)
+        parts = start.start_local(model, **launch_args)
         return cls._of(parts, cache_prefix, chunk_suffix, on_miss, max_pending, cache_salt)
 
     @classmethod
@@ -153,9 +153,9 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
         **server_args: Any,
     ) -> VLLMEngine:
         """The client of a running vLLM OpenAI server started with the connector
-        (``launch.join_server``: ``tokenizer``, ``model``, ``api_key``,
+        (``start.join_server``: ``tokenizer``, ``model``, ``api_key``,
         ``timeout``); the other arguments as the constructor's."""
-        parts = launch.join_server(base_url, **server_args)
+        parts = start.join_server(base_url, **server_args)
         return cls._of(parts, cache_prefix, chunk_suffix, on_miss, max_pending, cache_salt)
 
     @classmethod

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from kvrag_integrations.errors import ServerError
-from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
 from kvrag_integrations.vllm.params import Reply
 
 _MAX_WHOLE = 32

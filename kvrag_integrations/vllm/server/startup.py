@@ -1,11 +1,14 @@
 """Installs the server's hook on its engine client at startup (vLLM's ``--middleware``).
 
-``serve`` adds this ASGI middleware beside the gateway. vLLM builds the app
-before it sets up the engine client, so the hook (``reuse_hook.install``) is
-installed at the first event that sees it: the lifespan startup (``install``). From then on
-every route that reaches the model passes the hook: anonymous requests get a
-salt of their own, and, unless ``serve --no-detect``, stored passages are found
-in plain clients' requests. Nothing else: keys and grants are the gateway's.
+``serve`` adds this ASGI middleware beside the gateway (outside it: it runs
+first). vLLM builds the app before it sets up the engine client, so the hook
+(``install``) is installed at the first event that sees it: the lifespan
+startup. From then on every route that reaches the model passes the hook:
+each request's admission is signed into what the connector reads and its salt
+set, and, unless ``serve --no-detect``, stored passages are found in plain
+clients' requests. It leaves the server's policy in the app's state, where the
+gateway makes each request's admission by it. A hook that cannot be installed
+stops the server: it would serve every request unsalted.
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvrag_integrations.vllm.detection import Detector
-from kvrag_integrations.vllm.gateway import ASGIApp, Receive, Scope, Send
-from kvrag_integrations.vllm.reuse_hook import Forget, ReuseHook
+from kvrag_integrations.vllm.config import CONNECTOR_CLASS, ConnectorSettings
+from kvrag_integrations.vllm.server.detection import Detector
+from kvrag_integrations.vllm.server.gateway import (
+    OPEN_METRICS_STATE,
+    POLICY_STATE,
+    ASGIApp,
+    Receive,
+    Scope,
+    Send,
+)
+from kvrag_integrations.vllm.server.reuse_hook import Forget, ReuseHook
 from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)
@@ -43,9 +54,14 @@ class ReuseInstaller:
             return
         self.installed = True
         try:
-            install(engine_client)
-        except Exception:  # the server still serves, as plain vLLM with the connector
-            logger.exception("kvrag: the server's hook is not installed")
+            hook = install(engine_client)
+        except Exception:
+            logger.exception("kvrag: the server's hook is not installed: the server stops")
+            raise
+        settings = _settings(engine_client)
+        if hook is not None and settings is not None:
+            setattr(state, POLICY_STATE, hook.policy)
+            setattr(state, OPEN_METRICS_STATE, settings.open_metrics)
 
 
 def install(engine_client: Any) -> ReuseHook | None:
@@ -56,16 +72,16 @@ def install(engine_client: Any) -> ReuseHook | None:
     hook = getattr(engine_client, "_kvrag_reuse_hook", None)
     if hook is not None:
         return hook
-    from kvrag_integrations.vllm.config import CONNECTOR_CLASS, ConnectorSettings
-    from kvrag_integrations.vllm.gateway import KeyRing
+    from kvrag_integrations.vllm.keys import KeyRing
 
     _log_beside_vllm()
-    config = engine_client.vllm_config
-    transfer = config.kv_transfer_config
-    if transfer is None or transfer.kv_connector != CONNECTOR_CLASS:
+    settings = _settings(engine_client)
+    if settings is None:
         return None
-    settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
+    config = engine_client.vllm_config
     policy = settings.policy(KeyRing.from_env())
+    if policy.secret is None:
+        logger.error("kvrag: no $KVRAG_SERVER_SECRET: requests are salted, nothing is reused")
     detector, forget = _detector(config, settings) if settings.detect else (None, None)
     hook = ReuseHook(engine_client.generate, detector, policy, forget=forget)
     engine_client.generate = hook.generate
@@ -74,6 +90,15 @@ def install(engine_client: Any) -> ReuseHook | None:
         indexed = len(detector.index)  # type: ignore[arg-type]
         logger.info("kvrag: finds stored passages in plain requests (%d entries indexed)", indexed)
     return hook
+
+
+def _settings(engine_client: Any) -> ConnectorSettings | None:
+    """The connector's settings in the server's vLLM config (None: it serves without
+    our connector)."""
+    transfer = engine_client.vllm_config.kv_transfer_config
+    if transfer is None or transfer.kv_connector != CONNECTOR_CLASS:
+        return None
+    return ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
 
 
 def _detector(config: Any, settings: Any) -> tuple[Detector, Forget]:

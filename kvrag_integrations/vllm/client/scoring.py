@@ -35,7 +35,7 @@ from kvrag_integrations.errors import (
     UnsupportedInputError,
     check_fits,
 )
-from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
 from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
 
 _SCORE = {"max_tokens": 1, "temperature": 0.0}

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from kvrag_integrations.vllm.backend import BackendEvent, BackendRequest
+from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
 from kvrag_integrations.vllm.params import Reply
 
 _DONE = object()

@@ -1,0 +1,381 @@
+"""Every request that reaches the model: its admission signed in, its salt, and reuse.
+
+vLLM's OpenAI server renders a chat or completion request, tokenizes it, and
+hands the token ids to its engine client's ``generate``. ``ReuseHook`` wraps
+that one method (installed at the server's startup on its own engine client,
+``startup.install``), so every route that reaches the model passes it.
+
+1. **Admission.** The request's admission was made where it entered
+   (``gateway``; ``arrival.current``); the hook makes one only for a request
+   that did not pass the gateway (a server started without it), from what the
+   request carries, with no key. It signs it into the connector's
+   ``kv_transfer_params`` and sets the request's ``cache_salt`` to the one a
+   load of its layout must carry (``trust.request_salt``), before anything
+   else: whatever happens next, the request never runs without the salt the
+   server chose. A prompt that cannot carry a salt is refused (HTTP 400).
+2. **Reuse.** With detection on, it finds the stored passages in the request's
+   token ids (``detection``) and writes the load a ``VLLMEngine`` client would
+   have asked for. From there on the request is an ordinary one: the connector
+   admits it, vLLM streams, samples, parses tools and structured output as
+   always, and ``usage.prompt_tokens_details`` counts what was loaded.
+
+Detection is skipped (the request then runs exactly, under its salt) where the
+request carries a plan of its own (a ``VLLMEngine`` client), opts out
+(``"kv_transfer_params": {"kvrag": {"detect": false}}``), asks for prompt
+log-probabilities (rows loaded from storage have none), uses a LoRA adapter or
+multimodal input (entries hold the base model's text K/V), or where nothing
+stored is found; the reason is logged at debug level.
+
+What is stored of what a request sent follows its admission: a tenant that
+keeps learns its prompts, glue and prefixes into its own namespace; a request
+with a private namespace (an anonymous caller) has its glue and prefix
+encoded for it alone (``detection.Own``: ids ending in a secret suffix drawn
+for the request, never indexed), reads them as its pieces, and they are
+deleted once it is answered; a reader stores nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.matching import ContentIndex
+from kvrag_integrations.vllm.admission import Admission, ClientPolicy
+from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
+from kvrag_integrations.vllm.server.arrival import Arrival, BadRequest, current
+from kvrag_integrations.vllm.server.detection import Detector, Own
+from kvrag_integrations.vllm.trust import Tenant, request_salt
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKGROUND_ENCODES = 16  # a tenant's encodes in flight at once (more are dropped)
+GLUE_WAIT_S = 5.0  # the longest a request waits for a tenant's glue to be stored
+# ... and for its prefix, or its own texts: computed anyway, so waiting costs
+# nothing, but giving up computes them twice
+PREFIX_WAIT_S = 120.0
+STORED_WAIT_S = 3.0  # ... and for a prompt this server is storing that would serve it
+SECRET_TAIL_TOKENS = 24  # a private entry's secret suffix (ids drawn from its prompt)
+
+Forget = Callable[[Tenant, Sequence[int]], None]
+"""Deletes an entry of these ids in a namespace (every rank's)."""
+
+
+@dataclass
+class _Request:
+    """One request as the hook sees it: what vLLM hands on, and its arrival."""
+
+    prompt: dict[str, Any]
+    sampling_params: Any
+    kwargs: Mapping[str, Any]
+    arrival: Arrival
+    admission: Admission
+    request_id: str
+
+    @property
+    def params(self) -> TransferParams:
+        return self.arrival.params or TransferParams()
+
+
+class ReuseHook:
+    """Wraps an engine client's ``generate`` (see the module docstring).
+
+    Args:
+        generate: the engine client's own ``generate``.
+        detector: plans loads from the content index (None: detection is off;
+            requests are still admitted and salted).
+        policy: the server's client policy (admissions, and their signing secret).
+        sampling_params: makes the sampling parameters of an encode (default:
+            vLLM's ``SamplingParams``).
+        forget: deletes a request's private entries once it is answered (None:
+            the store's budget evicts them).
+    """
+
+    def __init__(
+        self,
+        generate: Callable[..., Any],
+        detector: Detector | None,
+        policy: ClientPolicy,
+        sampling_params: Callable[..., Any] | None = None,
+        forget: Forget | None = None,
+    ):
+        self.generate_inner = generate
+        self.forget = forget
+        self.detector = detector
+        self.policy = policy
+        self.sampling_params = sampling_params or _vllm_sampling_params
+        self._encoding: dict[str, asyncio.Task[bool]] = {}  # a tenant's encodes, by key
+        # prompts this server asked to store whole, until the index has them
+        self._pending: dict[tuple[str, int], tuple[str, list[int], float]] = {}
+        self._pending_index = ContentIndex()
+
+    async def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        request = self.admit(prompt, sampling_params, kwargs, request_id)
+        self._write(request, request.params)  # its salt, before anything can fail
+        own: list[tuple[asyncio.Task[bool], list[int]]] = []
+        try:
+            try:
+                await self.prepare(request, own)
+            except Exception:  # never a crash here: the request then runs exactly, salted
+                logger.exception("request %s: reuse not planned; runs exactly", request_id)
+            async for output in self.generate_inner(
+                prompt, sampling_params, request_id, *args, **kwargs
+            ):
+                yield output
+        finally:  # (a request cancelled while planned too)
+            for task, ids in own:  # its own entries, used: dropped once stored
+                task.add_done_callback(lambda _, ids=ids: self._forget(request.admission, ids))
+
+    def admit(
+        self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any], request_id: str = ""
+    ) -> _Request:
+        """The request with its admission: the gateway's, or (a request that did
+        not pass the gateway) one made here from what it carries, with no key.
+
+        Raises:
+            BadRequest: a prompt that cannot carry a salt (not a dict), or params of
+                ours that do not parse.
+            TransferParamsError: a client salt in the server's salts' space.
+        """
+        if not isinstance(prompt, dict):
+            raise BadRequest(f"a prompt of type {type(prompt).__name__} cannot be admitted")
+        arrival = current()
+        if arrival is None or arrival.admission is None:
+            extra = getattr(sampling_params, "extra_args", None) or {}
+            transfer = extra.get("kv_transfer_params") if isinstance(extra, Mapping) else None
+            params = TransferParams.from_request(transfer)  # (TransferParamsError: a 400)
+            if params is not None and params.admission is not None:
+                raise BadRequest("an admission is the server's to write, not a client's")
+            salt = prompt.get("cache_salt")
+            tenant = params.tenant if params is not None else ""
+            admission = self.policy.admit(None, salt, tenant)
+            arrival = Arrival(salt, params, admission)
+        assert arrival.admission is not None
+        ids = prompt.get("prompt_token_ids")
+        if arrival.params is not None and isinstance(ids, list):
+            try:
+                arrival.params.check_prompt(len(ids))
+            except TransferParamsError as exc:  # (a ValueError: vLLM answers 400)
+                raise BadRequest(f"kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from None
+        return _Request(prompt, sampling_params, kwargs, arrival, arrival.admission, request_id)
+
+    # ------------------------------------------------------------ planning
+    async def prepare(
+        self, request: _Request, own: list[tuple[asyncio.Task[bool], list[int]]]
+    ) -> None:
+        """Find stored passages and rewrite the request's load and salt (nothing,
+        where it runs exactly); ``own`` gets the request's private entries."""
+        why, ids = self._eligible(request)
+        if why:
+            logger.debug("%s: runs exactly: %s", request.request_id, why)
+            return
+        assert self.detector is not None
+        admission = request.admission
+        fingerprint = admission.tenant.fingerprint(self.detector.base_fingerprint)
+        mine = None
+        if admission.private is not None:
+            private = admission.private.fingerprint(self.detector.base_fingerprint)
+            mine = Own(private, _secret_tail(ids))
+        detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
+        if detection.glue:
+            # Text no entry holds yet between (or before) found passages would stop
+            # the load there: a step of a few tokens stores it (in the tenant's
+            # namespace, or the request's own), then the request is planned again.
+            head = tuple(ids[: detection.prefix]) if detection.prefix else None
+            tasks = {span: self._encode(span, request, mine) for span in detection.glue}
+            waiting = {span: task for span, task in tasks.items() if task is not None}
+            if mine is not None:
+                own += [(task, [*span, *mine.tail]) for span, task in waiting.items()]
+            if waiting:
+                await asyncio.wait(waiting.values(), timeout=GLUE_WAIT_S)
+                # a prefix, and a request's own texts, are awaited longer: giving up
+                # computes them twice, and its course would hang on the server's load
+                late = [t for s, t in waiting.items() if mine is not None or s == head]
+                if late and not all(task.done() for task in late):
+                    await asyncio.wait(late, timeout=PREFIX_WAIT_S)
+            if mine is not None:
+                done = {span for span, task in waiting.items() if _stored(task)}
+                mine = replace(mine, ready=frozenset(done))
+            detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
+        waits = admission.keeps and self._pending  # (a tenant's own prompts only)
+        if waits and await self._await_stored(fingerprint, ids, detection.load_end):
+            detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
+        logger.debug(
+            "%s: %d of %d tokens from storage (%s)%s",
+            request.request_id,
+            detection.load_end,
+            len(ids),
+            detection.reason,
+            "; its prompt is learned" if detection.learn_prompt and not detection.load else "",
+        )
+        for span in detection.remainder:
+            self._encode(span, request, None)
+        if detection.load:
+            self._write(request, replace(request.params, load=detection.load))
+        elif detection.learn_prompt:
+            learned = replace(request.params, save=(PieceSpec(0, len(ids)),), deferred=True)
+            self._write(request, learned)
+            self._pending_add(fingerprint, ids)
+
+    def _eligible(self, request: _Request) -> tuple[str, list[int]]:
+        """Why detection does not run for the request ("" : it does), and its ids."""
+        prompt, params = request.prompt, request.params
+        ids = prompt.get("prompt_token_ids")
+        if self.detector is None:
+            return "detection is off", []
+        if prompt.get("type", "token") != "token":
+            return "not a token prompt (multimodal or embeddings)", []
+        if not isinstance(ids, list) or len(ids) < 2:
+            return "no prompt token ids", []
+        if request.kwargs.get("lora_request") is not None:
+            return "a LoRA adapter (entries hold the base model's K/V)", []
+        if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+            return "prompt log-probabilities (loaded rows have none)", []
+        if not params.detect:
+            return "the request opted out", []
+        if params.load or params.save:
+            return "it plans its own loads or saves (a VLLMEngine client)", []
+        return "", ids
+
+    def _write(self, request: _Request, params: TransferParams) -> None:
+        """The request's params as the connector reads them (its admission signed
+        in, no field of another connector's) and the salt its layout needs."""
+        secret = self.policy.secret
+        signed = request.admission.signed(secret) if secret is not None else None
+        params = replace(params, admission=signed, tenant="")
+        salt = request_salt(request.admission.tenant, params.layout)
+        if salt is None:
+            request.prompt.pop("cache_salt", None)
+        else:
+            request.prompt["cache_salt"] = salt
+        _set_params(request.sampling_params, params.as_request())
+
+    # ------------------------------------- prompts being stored after their answer
+    def _pending_add(self, fingerprint: str, ids: list[int]) -> None:
+        now = time.monotonic()
+        for key, (fp, entry, since) in list(self._pending.items()):
+            if now - since > STORED_WAIT_S:  # stored by now, or dropped: forget it
+                del self._pending[key]
+                self._pending_index.remove(fp, entry)
+        if len(self._pending) < MAX_BACKGROUND_ENCODES and self._pending_index.add(
+            fingerprint, ids
+        ):
+            self._pending[(fingerprint, hash(tuple(ids)))] = (fingerprint, ids, now)
+
+    async def _await_stored(self, fingerprint: str, ids: list[int], loaded: int) -> bool:
+        """Wait (at most ``STORED_WAIT_S``) for prompts this server is storing that
+        would serve more of ``ids`` than the store does now; True if one landed.
+
+        A learned prompt is stored after its answer (``params.deferred``): a
+        client asking again at once would otherwise find nothing and teach it
+        twice. (Only a tenant's own: learned prompts are in its namespace.)"""
+        runs = self._pending_index.cover(fingerprint, ids)
+        covered = runs[0].end if runs and runs[0].start == 0 else 0
+        waited = {tuple(r.entry) for r in runs}
+        if covered <= loaded or not waited:
+            return False
+        deadline = time.monotonic() + STORED_WAIT_S
+        assert self.detector is not None
+        index = self.detector.index
+        while time.monotonic() < deadline:
+            refresh = getattr(index, "refresh", None)
+            if refresh is not None:
+                refresh()
+            landed = {e for e in waited if (fingerprint, list(e)) in index}
+            if landed:
+                for entry in landed:
+                    self._pending.pop((fingerprint, hash(entry)), None)
+                    self._pending_index.remove(fingerprint, entry)
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    # ------------------------------------------------------------ encoding
+    def _encode(
+        self, span: tuple[int, ...], request: _Request, mine: Own | None
+    ) -> asyncio.Task[bool] | None:
+        """Encode ``span`` on its own (as a chunk is) and store it: in the request's
+        own namespace under its secret suffix (``mine``; never indexed, awaited by
+        the request alone), else in its tenant's namespace, where the tenant's
+        next request finds it (one encode per span at once, at most
+        ``MAX_BACKGROUND_ENCODES``). The task (True: stored; None: dropped)."""
+        admission = request.admission
+        ids = [*span, *mine.tail] if mine is not None else list(span)
+        save = TransferParams(save=(PieceSpec(0, len(ids)),), private=mine is not None)
+        if mine is not None:  # its own: no other request waits on it, nor is held up
+            return asyncio.get_running_loop().create_task(self._run_encode(ids, admission, save))
+        key = f"{admission.tenant.namespace}:{hash(span)}"
+        if key in self._encoding:
+            return self._encoding[key]
+        if len(self._encoding) >= MAX_BACKGROUND_ENCODES:
+            return None
+        task = asyncio.get_running_loop().create_task(self._run_encode(ids, admission, save))
+        self._encoding[key] = task
+        task.add_done_callback(lambda _: self._encoding.pop(key, None))
+        return task
+
+    async def _run_encode(
+        self, ids: list[int], admission: Admission, params: TransferParams
+    ) -> bool:
+        prompt: dict[str, Any] = {"type": "token", "prompt_token_ids": ids}
+        secret = self.policy.secret
+        signed = admission.signed(secret) if secret is not None else None
+        params = replace(params, admission=signed)
+        salt = request_salt(admission.tenant, [])  # exact: its tenant's own salt
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        extra = {"kv_transfer_params": params.as_request()}
+        sampling = self.sampling_params(max_tokens=1, extra_args=extra)
+        # unique across the server's API processes (each has its own hook)
+        request_id = f"kvrag-encode-{uuid.uuid4().hex}"
+        try:
+            async for _ in self.generate_inner(prompt, sampling, request_id):
+                pass
+        except Exception as exc:  # best effort: the request then loads less
+            logger.info("encode %s failed: %s", request_id, exc)
+            return False
+        return True
+
+    def _forget(self, admission: Admission, ids: list[int]) -> None:
+        if self.forget is not None and admission.private is not None:
+            loop = asyncio.get_running_loop()
+            loop.run_in_executor(None, self.forget, admission.private, ids)
+
+    async def drain(self) -> None:
+        """Wait for the tenants' encodes in flight (tests, shutdown)."""
+        while self._encoding:
+            await asyncio.gather(*list(self._encoding.values()), return_exceptions=True)
+
+
+def _stored(task: asyncio.Task[bool]) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is None and task.result()
+
+
+def _secret_tail(prompt: Sequence[int]) -> tuple[int, ...]:
+    """Ids drawn at random from ``prompt`` (so the model's vocabulary has them): the
+    suffix of a request's own entries, which no other caller can guess, so none
+    can name them."""
+    draw = secrets.SystemRandom()
+    return tuple(draw.choice(prompt) for _ in range(SECRET_TAIL_TOKENS))
+
+
+def _vllm_sampling_params(**kwargs: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(**kwargs)
+
+
+def _set_params(sampling_params: Any, transfer: dict[str, Any]) -> None:
+    """Our params as the request's ``kv_transfer_params`` (another connector's
+    fields, which no connector of this server reads, are dropped)."""
+    extra = dict(getattr(sampling_params, "extra_args", None) or {})
+    extra["kv_transfer_params"] = {PARAMS_KEY: transfer[PARAMS_KEY]}
+    sampling_params.extra_args = extra

@@ -1,0 +1,164 @@
+"""Admissions and the parsers of what a client sends, as property tests.
+
+Whatever bytes reach the gateway, ``read_body`` answers with what it found or a
+``BadRequest`` (a 400), never another error; whatever a client puts in our
+``kv_transfer_params["kvrag"]``, ``TransferParams.from_request`` answers with
+params or a ``TransferParamsError``, and what it accepts goes through a
+request unchanged; an admission verifies only as the server signed it, and a
+client's fields other than ``cache_salt`` never make it a tenant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrag_integrations.errors import TransferParamsError
+from kvrag_integrations.vllm.admission import Admission, ClientPolicy
+from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
+from kvrag_integrations.vllm.server.arrival import MAX_DEPTH, Arrival, BadRequest, read_body
+from kvrag_integrations.vllm.trust import ANON_SALT_PREFIX, Grant, Tenant
+
+SECRET = b"property-secret"
+RULES = ClientPolicy(False, "write", 4096, SECRET)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+# what a client might put where we read: our fields with any values, and others
+ours_fields = st.sampled_from(
+    ["load", "save", "overwrite", "tenant", "detect", "deferred", "private", "private_load", "x"]
+)
+ours_objects = st.dictionaries(ours_fields, json_values, max_size=5)
+small_ints = st.integers(min_value=0, max_value=50)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_are_read_or_refused_with_a_400(body: bytes) -> None:
+    with contextlib.suppress(BadRequest):
+        assert isinstance(read_body(body), Arrival)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cache_salt=json_values,
+    transfer=json_values | st.fixed_dictionaries({PARAMS_KEY: ours_objects | json_values}),
+    other=st.dictionaries(st.text(), json_values, max_size=3),
+)
+def test_any_json_body_is_read_or_refused_with_a_400(
+    cache_salt: Any, transfer: Any, other: dict[str, Any]
+) -> None:
+    body = {**other, "cache_salt": cache_salt, "kv_transfer_params": transfer}
+    try:
+        arrival = read_body(json.dumps(body).encode())
+    except BadRequest:
+        return
+    assert arrival.cache_salt is None or isinstance(arrival.cache_salt, str)
+    # what the gateway accepted, the server admits or refuses with a reason, nothing else
+    try:
+        tenant = arrival.params.tenant if arrival.params is not None else ""
+        admission = RULES.admit(None, arrival.cache_salt, tenant)
+    except TransferParamsError:
+        return
+    assert Admission.verified(admission.signed(SECRET), SECRET) == admission
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(min_value=MAX_DEPTH + 1, max_value=20_000))
+def test_deep_nesting_is_a_400_at_any_depth(depth: int) -> None:
+    body = b'{"kv_transfer_params": ' + b"[" * depth + b"]" * depth + b"}"
+    try:
+        read_body(body)
+    except BadRequest as exc:
+        assert "nests deeper" in str(exc)
+    else:
+        raise AssertionError("accepted")
+
+
+pieces = st.builds(
+    PieceSpec,
+    small_ints,
+    st.integers(min_value=1, max_value=50),
+    st.lists(small_ints, max_size=3).map(tuple),
+    st.lists(small_ints, max_size=3).map(tuple),
+    st.booleans(),
+)
+
+
+@st.composite
+def valid_params(draw: st.DrawFn) -> TransferParams:
+    """Params a client may send: a load run from 0 without gaps, or one save."""
+    load, position = [], 0
+    for piece in draw(st.lists(pieces, max_size=4)):
+        load.append(PieceSpec(position, piece.rows, piece.tail, piece.lead, piece.private))
+        position += piece.rows
+    save = draw(st.lists(st.builds(PieceSpec, small_ints, st.integers(1, 50)), max_size=1))
+    return TransferParams(
+        tuple(load),
+        tuple(save),
+        draw(st.booleans()),
+        draw(st.text(max_size=20)),
+        None,
+        draw(st.booleans()),
+        draw(st.booleans()) and bool(save),
+        draw(st.booleans()) and bool(save),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_params())
+def test_params_a_client_may_send_go_through_a_request_unchanged(params: TransferParams) -> None:
+    sent = json.loads(json.dumps(params.as_request()))
+    assert TransferParams.from_request(sent) == params
+    assert read_body(json.dumps({"kv_transfer_params": sent}).encode()).params == params
+
+
+@settings(max_examples=300, deadline=None)
+@given(ours_objects | json_values)
+def test_any_params_parse_or_are_refused_with_a_reason(ours: Any) -> None:
+    try:
+        params = TransferParams.from_request({PARAMS_KEY: ours})
+    except TransferParamsError as exc:
+        assert str(exc)
+        return
+    assert params is None or TransferParams.from_request(params.as_request()) == params
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    namespace=st.text(max_size=10),
+    role=st.sampled_from(["read", "write", "admin"]),
+    field=st.sampled_from(["tenant", "role", "keeps", "private", "key", "name"]),
+    value=json_values,
+)
+def test_an_admission_verifies_only_as_signed(
+    namespace: str, role: str, field: str, value: Any
+) -> None:
+    admission = RULES.admit(Grant(namespace, role, "digest"), None)
+    signed = admission.signed(SECRET)
+    assert Admission.verified(signed, SECRET) == admission
+    assert Admission.verified(signed, b"another-secret") is None
+    changed = {**signed, field: value}
+    if changed[field] != signed[field]:
+        assert Admission.verified(changed, SECRET) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    user=st.text(min_size=1, max_size=30),
+    field=st.sampled_from(["user", "prompt_cache_key", "safety_identifier"]),
+)
+def test_fields_that_are_no_secret_never_make_a_tenant(user: str, field: str) -> None:
+    arrival = read_body(json.dumps({"prompt": "hi", field: user}).encode())
+    admission = RULES.admit(None, arrival.cache_salt)
+    assert admission.tenant.salt.startswith(ANON_SALT_PREFIX) and not admission.keeps
+    assert admission.tenant.namespace == "" and admission.private is not None
+    with_salt = RULES.admit(None, "team-" + user)
+    assert with_salt.tenant == Tenant.of_salt("team-" + user) and with_salt.keeps
