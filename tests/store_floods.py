@@ -16,8 +16,8 @@ import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.store import KVStore
-from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.store.quotas import Quotas
+from kvrag_integrations.store.write_budget import StoreBudget
 from kvrag_integrations.vllm.trust import Tenant
 
 BASE = "model-fp"

@@ -40,9 +40,9 @@ from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store import RedisKVStore, encode_entry
-from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.store.redis_client import primaries_memory
 from kvrag_integrations.store.sizing import store_budget
+from kvrag_integrations.store.write_budget import StoreBudget
 
 QUICK = {"items": 1, "n_chunks": 3, "chunk_tokens": 32, "repeats": 1}
 TOPOLOGIES = (("one server", 0, 0), ("cluster", 1, 0), ("cluster", 3, 1))

@@ -6,7 +6,7 @@ keys, or chance put more entries there. And any Redis, one server too, holds
 more than the store's entries: its own overhead, the index log, others' keys.
 Past its ``maxmemory`` a primary answers writes with Redis's OOM error (or,
 under an eviction policy, drops keys of its own choosing: parts of entries,
-the index log). ``maintenance.StoreBudget`` therefore keeps each primary (a
+the index log). ``write_budget.StoreBudget`` therefore keeps each primary (a
 shard; one server is one shard) within two bounds:
 
 - its share of the store's budget, for the store's entries: the budget split

@@ -21,9 +21,9 @@ from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.matching import index_log_for
 from kvrag_integrations.store.codec import encode_entry
-from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.store.redis_client import primaries_memory
 from kvrag_integrations.store.sizing import REDIS_FRACTION, store_budget
+from kvrag_integrations.store.write_budget import StoreBudget
 
 pytest.importorskip("redis", reason="the redis client is missing: pip install -e '.[test]'")
 

@@ -244,12 +244,18 @@ OPTION_CASES: list[tuple[dict[str, Any], Any]] = [
     ({"tools": SEARCH_TOOL}, TypeError),
     ({"tools": [{"type": "function", "function": {}}]}, ValueError),
     ({"tools": [SEARCH_TOOL], "tool_choice": 3}, TypeError),
+    ({"tools": [SEARCH_TOOL], "parallel_tool_calls": False}, OK),
+    ({"tools": [SEARCH_TOOL], "parallel_tool_calls": "no"}, TypeError),
+    ({"min_new_tokens": 2}, OK),
+    ({"min_new_tokens": -1}, ValueError),
+    ({"min_new_tokens": 1.5}, TypeError),
 ]
 
 
 def test_the_cases_cover_every_option() -> None:
     named = {name for kwargs, _ in OPTION_CASES for name in kwargs}
     options = {"strategy", "strategy_options", "on_miss", "logprobs", "tools", "tool_choice"}
+    options.add("parallel_tool_calls")
     assert named >= options | set(SAMPLING_ARGS) | set(PROMPT_ARGS)
 
 

@@ -15,10 +15,10 @@ import torch
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
 from kvrag_integrations.matching import DiskIndexLog
 from kvrag_integrations.store import DiskKVStore, MemoryKVStore
-from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.store.namespaces import namespace_id, namespace_kind
 from kvrag_integrations.store.quotas import Quotas, namespace_of
 from kvrag_integrations.store.sizing import DISK_FRACTION, store_budget
+from kvrag_integrations.store.write_budget import StoreBudget
 from kvrag_integrations.vllm.config import ConnectorSettings, parse_store_bytes
 from kvrag_integrations.vllm.keys import KeyFile, namespace_quotas
 from kvrag_integrations.vllm.serve import main as serve_main

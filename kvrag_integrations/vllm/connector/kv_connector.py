@@ -26,9 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvrag_integrations.store import KVStore, TieredKVStore, open_store
-from kvrag_integrations.store.maintenance import StoreBudget
 from kvrag_integrations.store.quotas import Quotas
 from kvrag_integrations.store.sizing import store_budget
+from kvrag_integrations.store.write_budget import StoreBudget
 from kvrag_integrations.vllm.config import (
     AUTO_BUDGET,
     LOAD_FAILURE_POLICY,

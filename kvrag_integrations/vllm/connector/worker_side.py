@@ -42,7 +42,7 @@ from kvrag_integrations.chunk_kv import ChunkKV, cache_key
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store import KVStore
-from kvrag_integrations.store.maintenance import StoreBudget
+from kvrag_integrations.store.write_budget import StoreBudget
 from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp, SaveOp
 from kvrag_integrations.vllm.connector.paged import PagedLayout
 from kvrag_integrations.vllm.trust import Tenant
