@@ -12,9 +12,12 @@ of the file is revoked at once). The file (JSON)::
 
 ``namespace`` "" is the shared one; a key may add ``"quota_bytes": N``, the
 most its namespace may hold in the store (the largest of its keys'; default: a
-share of the budget, ``serve --namespace-share``); a key's ``role`` and
-``anonymous`` default to ``config.DEFAULT_CLIENT_ROLE``; ``anonymous``: the role of
-callers without a listed key (``"none"``: they are refused).
+share of the budget, ``serve --namespace-share``); a key's ``role`` defaults to
+``config.DEFAULT_CLIENT_ROLE``; ``anonymous``: the role of callers without a
+listed key (``"none"``: they are refused), by default ``"read"`` where a key
+writes the shared namespace (the shared namespace then has its writers, and a
+stranger's write would count in its quota, able to evict what they ingested),
+else ``config.DEFAULT_CLIENT_ROLE``.
 """
 
 from __future__ import annotations
@@ -69,7 +72,11 @@ class KeyFile:
                 if isinstance(quota, bool) or not isinstance(quota, int) or quota <= 0:
                     raise ValueError(f"{path}: quota_bytes is a number of bytes > 0")
                 quotas[namespace] = max(quota, quotas.get(namespace, 0))
-        anonymous = raw.get("anonymous", DEFAULT_CLIENT_ROLE)
+        # Where keys write the shared namespace, strangers only read it unless the
+        # file says otherwise: their writes would count in its quota, beside (and
+        # able to evict) what its writers ingested.
+        shared_writers = any(g.namespace == "" and g.role != "read" for g in keys.values())
+        anonymous = raw.get("anonymous", "read" if shared_writers else DEFAULT_CLIENT_ROLE)
         if anonymous not in (*ROLES, "none"):
             raise ValueError(f"{path}: anonymous is one of {(*ROLES, 'none')}")
         return cls(keys, anonymous, quotas)

@@ -119,6 +119,27 @@ def test_a_key_quota_from_the_key_file_bounds_its_namespace(tmp_path: Path) -> N
         KeyFile.load(keys)
 
 
+def test_where_keys_write_the_shared_namespace_strangers_read_by_default(
+    tmp_path: Path,
+) -> None:
+    """A stranger's write counts in the shared namespace's quota, beside what its
+    writers ingested: where a key writes it, anonymous callers read unless the
+    file says otherwise."""
+    keys = tmp_path / "keys.json"
+
+    def anonymous(**raw) -> str:
+        keys.write_text(json.dumps(raw))
+        return KeyFile.load(keys).anonymous
+
+    writer = {"sk-ops": {"namespace": "", "role": "write"}}
+    reader = {"sk-ops": {"namespace": "", "role": "read"}}
+    tenant = {"sk-a": {"namespace": "team-a", "role": "write"}}
+    assert anonymous(keys=writer) == "read"
+    assert anonymous(keys={**tenant, "sk-root": {"namespace": "", "role": "admin"}}) == "read"
+    assert anonymous(keys=writer, anonymous="write") == "write"  # the operator's say
+    assert anonymous(keys=reader) == anonymous(keys=tenant) == "write"
+
+
 def test_a_write_larger_than_its_quota_is_refused(tmp_path: Path) -> None:
     store = DiskKVStore(tmp_path)
     one = make_kv(0, BASE).nbytes + 4096
