@@ -198,3 +198,24 @@ def test_earlier_turns_malformed_arguments_are_tolerated() -> None:
     assert call_arguments("9" * 5000) == "9" * 5000  # past the digit limit: kept as text
     text = HermesFamily().call_text(out)  # the fallback writes them back as text
     assert json.loads(text.split("\n")[1])["arguments"] == '{"q": '
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.sampled_from(["search", "get_weather", "magic_function_no_args"]),
+    args=st.dictionaries(st.sampled_from(["query", "location", "days"]), st.text(max_size=8)),
+    data=st.data(),
+)
+def test_a_forced_call_cut_anywhere_closes_into_one_call(name, args, data) -> None:
+    """A forced decode (the constraint writes a forced name, then arguments) cut short
+    by max_new_tokens anywhere after its name began, even inside a key, is one call
+    to that tool with only whole keys of what it wrote."""
+    whole = json.dumps({"name": name, "arguments": args})
+    begun = len('{"name": "') + 1
+    cut = whole[: data.draw(st.integers(begun, len(whole)))]
+    forced = ("search", "get_weather", "magic_function_no_args")
+    parsed = HermesFamily().forced_call(cut, forced, b"")
+    assert parsed is not None, cut
+    (call,) = parsed.calls
+    assert call.name == name
+    assert set(call.arguments) <= set(args)

@@ -224,6 +224,11 @@ class ToolFamily:
         start, maybe cut short by ``max_new_tokens``, then closed); None when it
         cannot be closed into one."""
         value = load_json(close_call(written))
+        if isinstance(value, dict) and isinstance(value.get("name"), str):
+            # the constraint writes only forced names: one cut short is the one it begins
+            begun = [name for name in forced if name.startswith(value["name"])]
+            if value["name"] not in forced and len(begun) == 1:
+                value["name"] = begun[0]
         call = _call_object(value, forced, (self.args_key,), strict=True)
         return None if call is None else self._ided("", [call], [], seed)
 

@@ -207,6 +207,9 @@ def json_object_end(
     return None
 
 
+_OPEN_UNICODE = re.compile(r"(\\+)u[0-9a-fA-F]{0,3}$")
+
+
 def close_call(text: str) -> str:
     """A forced call cut short (``max_new_tokens``) closed into valid JSON: the open
     string and containers closed (a dangling key gets ``null``, or ``{}`` at the
@@ -220,25 +223,41 @@ def close_call(text: str) -> str:
         '{"name": "f", "arguments": {"q": {"n": null}}}'
         >>> close_call('{"name": "f", "arguments": ')
         '{"name": "f", "arguments": {}}'
+        >>> close_call('{"name": "f", "argu')  # cut inside a key: dropped
+        '{"name": "f"}'
+        >>> close_call('{"name": "f", "arguments": {"q": 1, "lo')
+        '{"name": "f", "arguments": {"q": 1}}'
     """
     stack: list[str] = []
     in_string = escaped = False
-    for c in text:
+    last = ""  # the last character outside strings, spaces aside
+    key_at = -1  # where the open string starts, if it is an object's key
+    for i, c in enumerate(text):
         if in_string:
             if escaped:
                 escaped = False
             elif c == "\\":
                 escaped = True
             elif c == '"':
-                in_string = False
+                in_string, key_at, last = False, -1, '"'
         elif c == '"':
             in_string = True
+            key_at = i if stack and stack[-1] == "{" and last in "{," else -1
         elif c in "{[":
             stack.append(c)
         elif c in "}]" and stack:
             stack.pop()
+        if not in_string and not c.isspace():
+            last = c
+    if in_string and key_at >= 0:
+        # cut inside a key: no key yet (a prefix of one the schema allows is no
+        # key of it); what came before closes
+        return close_call(text[:key_at].rstrip().rstrip(","))
     closers = "".join("}" if c == "{" else "]" for c in reversed(stack))
     head = text[:-1] if escaped else text
+    cut = _OPEN_UNICODE.search(head) if in_string else None
+    if cut and len(cut.group(1)) % 2:  # a \uXXXX escape cut short: dropped
+        head = head[: cut.end(1) - 1]
     head += '"' if in_string else ""
     bare = head.rstrip().rstrip(",:").rstrip()
     # A key without its value: the call's own (its arguments) an object, others null.
