@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrag_integrations.vllm import serve
+from kvrag_integrations.vllm.server import serve
 
 TOOLS = [
     {
@@ -44,7 +44,8 @@ def test_tool_flags_reach_vllm_and_a_packaged_template_is_resolved(
     assert "--enable-auto-tool-choice" in got
     template = Path(got[got.index("--chat-template") + 1])
     assert template.is_file() and template.name == "chatml_tools.jinja"
-    assert "vllm.server.gateway.TenantGateway" in got  # the connector still there
+    # the connector still there
+    assert "kvrag_integrations.vllm.server.gateway.TenantGateway" in got
     # a file or template string of the caller's own goes to vLLM untouched
     got = command(capsys, "--", "--chat-template=/srv/mine.jinja")
     assert "--chat-template=/srv/mine.jinja" in got and "--" not in got

@@ -197,11 +197,15 @@ def test_no_request_stores_a_span_of_a_longer_prompt(
             honest = target.stored(entry)
     assert target.stored(entry) == honest  # the honest entry untouched
     got = honest_answer(target, item.question, [chunk, other])
-    clean = connect(target.url, cache_salt=f"clean-{uuid.uuid4().hex}")
-    clean.encode_chunks([chunk, other], show_progress=False)  # computed afresh elsewhere
+    # computed afresh in another namespace: a key's (its quota holds both passages; a
+    # salt's sixteenth of this server's budget would not, and its request would be
+    # computed exactly instead of by turbo)
+    clean = connect(target.url, api_key="sk-team-b")
+    clean.encode_chunks([chunk, other], show_progress=False)
     want = clean.generate(
         question=item.question, chunks=[chunk, other], max_new_tokens=1, logprobs=TOP
     )
+    assert want.reused_chunks == 2, want.miss_reason
     # turbo on both sides (not exact): a poisoned entry moves these by whole nats
     assert max_logprob_gap(got, want.first_token_logprobs) < 1e-4
 
