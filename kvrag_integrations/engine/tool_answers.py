@@ -4,8 +4,8 @@ as soon as it cannot be a call.
 ``EngineFrontend.open_request`` wraps each engine's job with ``with_tool_calls``
 when the request has tools. The answer is read from its token ids, which both
 engines fill as they come (``result.token_ids``), decoded with the family's
-marker tokens kept (``AnswerText``: Mistral's and Llama's markers are special
-tokens that plain text skips) and cut at the
+markup tokens kept (``AnswerText``: Mistral's and Llama's markers, and
+Mistral's ``[ARGS]``, are special tokens that plain text skips) and cut at the
 request's stop strings. While it decodes, the family's detector
 (``ToolFamily.content_end``) says how much of it is text whatever follows;
 that much streams at once. At the end the family parses it
@@ -37,7 +37,7 @@ logger = logging.getLogger("kvrag_integrations.engine.engine")
 
 class AnswerText:
     """An answer's text from its token ids as they come: special tokens skipped but
-    the family's markers (``marker_ids``), decoded incrementally."""
+    the family's markup (``marker_ids``), decoded incrementally."""
 
     def __init__(self, tokenizer: Any, markers: Sequence[str]) -> None:
         self.tokenizer = tokenizer
@@ -89,7 +89,7 @@ def with_tool_calls(job: Job, request: Request, result: GenerationResult, tokeni
     stops = request.sampling.stop
 
     def run(cancel: threading.Event) -> Iterator[str]:
-        answer = AnswerText(tokenizer, family.markers)
+        answer = AnswerText(tokenizer, family.answer_markup)
         emitted = ""
         for _ in job(cancel):
             if plan.forced:

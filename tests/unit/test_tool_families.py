@@ -261,13 +261,35 @@ def test_canned_outputs_decoded_from_the_familys_tokens_parse(
     tok = engine.tokenizer
     family = plan_tools(tok, [SEARCH_TOOL], None).family
     ids = tok(CANNED[name], add_special_tokens=False)["input_ids"]
-    decoded = AnswerText(tok, family.markers).text(ids, final=True)  # as tool_answers reads
+    decoded = AnswerText(tok, family.answer_markup).text(ids, final=True)  # as tool_answers reads
     parsed = family.parse(decoded, ["search"])
     calls = parsed.calls
     assert [(c.name, c.arguments) for c in calls] == [("search", {"query": "a"})]
     assert parsed.content == ""
     if name == "mistral":
         assert calls[0].id == "a1B2c3D4e"  # Mistral's own id is kept
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        '[TOOL_CALLS]search[CALL_ID]a1B2c3D4e[ARGS]{"query": "a"}',  # v11
+        '[TOOL_CALLS]search[ARGS]{"query": "a"}',  # v13: no call id
+    ],
+    ids=["v11", "v13"],
+)
+def test_mistral_v11_calls_decoded_from_their_special_tokens_parse(
+    answer: str, tiny_loaded: LoadedModel
+) -> None:
+    tok = copy.deepcopy(tiny_loaded.tokenizer)
+    specials = ["[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"]  # special, as in Mistral's tekken
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    ids = tok(answer, add_special_tokens=False)["input_ids"]
+    assert "[ARGS]" not in tok.decode(ids, skip_special_tokens=True)  # plain text drops it
+    family = MistralFamily()
+    parsed = family.parse(AnswerText(tok, family.answer_markup).text(ids, final=True), ["search"])
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("search", {"query": "a"})]
+    assert parsed.content == "" and not parsed.invalid
 
 
 def test_a_forced_call_parses_and_goes_back_through_the_template(

@@ -44,8 +44,9 @@ CALL = {
     "json": '{"name": "search", "arguments": {"q": "tower", "k": [1, 2]}}',
 }
 FRAGMENTS = [
-    "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "```", "{", "}", "[", "]",
-    "(", ")", '"', "'", ":", ",", ";", "=", "\\", "\n", " ", '"name"', '"search"', '"Alice"',
+    "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
+    "```", "{", "}", "[", "]", "(", ")", '"', "'", ":", ",", ";", "=", "\\", "\n", " ",
+    '"name"', '"search"', '"Alice"',
     '"arguments"', '"parameters"', '"q"', "search", "get_weather", "q", "1", "9" * 50, "-", ".",
     "true", "null", "The tower", "é", "\u2028",
 ]  # fmt: skip
@@ -185,6 +186,38 @@ def test_mistral_keeps_its_own_ids_and_makes_nine_character_ones() -> None:
     assert len(made.calls[0].id) == 9 and made.calls[0].id.isalnum()
     # ids are drawn from the seed: the same answer gets the same ids
     assert made == mistral.parse('[TOOL_CALLS][{"name": "search", "arguments": {}}]', NAMES, b"s")
+
+
+# Mistral's v11+ form: one marker per call, name, [CALL_ID] id (v11 only), [ARGS]
+MISTRAL_V11 = '[TOOL_CALLS]search[CALL_ID]a1B2c3D4e[ARGS]{"q": "tower", "k": [1, 2]}'
+MISTRAL_V13 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+
+
+def test_mistral_reads_the_v11_form_one_marker_per_call() -> None:
+    mistral = MistralFamily()
+    parsed = mistral.parse("Let me look." + MISTRAL_V11 + MISTRAL_V13, NAMES, b"s")
+    assert parsed.content == "Let me look." and not parsed.invalid
+    got = [(c.name, c.arguments, c.id) for c in parsed.calls]
+    assert got[0] == ("search", {"q": "tower", "k": [1, 2]}, "a1B2c3D4e")  # its own id kept
+    assert got[1][:2] == ("get_weather", {"city": "Paris"}) and len(got[1][2]) == 9
+    # without [ARGS] (the brace starts the arguments), repeated markers as one
+    assert mistral.parse('[TOOL_CALLS][TOOL_CALLS]search{"q": 1}', NAMES).calls[0].arguments == {
+        "q": 1
+    }
+    # an unbound name, cut arguments, or no call after the marker: invalid, never a call
+    for text in ('[TOOL_CALLS]Alice[ARGS]{"age": 30}', '[TOOL_CALLS]search[ARGS]{"q": '):
+        bad = mistral.parse(text, NAMES)
+        assert not bad.calls and bad.invalid[0].arguments == text
+    assert mistral.parse("[TOOL_CALLS] I think not", NAMES).invalid
+    assert mistral.parse("[TOOL_CALLS]Alice[ARGS]{}", NAMES).invalid[0].name == "Alice"
+
+
+@SETTINGS
+@given(cut=st.integers(min_value=0, max_value=120), lead=st.sampled_from(["", "Sure. "]))
+def test_mistral_v11_calls_cut_anywhere(cut: int, lead: str) -> None:
+    text = lead + MISTRAL_V11 + MISTRAL_V13
+    _check(MistralFamily(), text[:cut])
+    _check(MistralFamily(), MISTRAL_V11 + text[:cut])
 
 
 def test_earlier_turns_malformed_arguments_are_tolerated() -> None:

@@ -62,6 +62,8 @@ class ToolFamily:
         opening: what a forced call starts with (the prompt ends with it).
         closing: what closes a call the family writes as text.
         arg_keys: keys a call object may hold besides ``name``.
+        call_markup: markup inside a call, after its marker (Mistral's
+            ``[ARGS]``): an answer keeps it as text (``answer_markup``).
         markup: every string of this format's markup (markers, result and tool
             list wrappers): an added token with one of them is structural, never
             produced by literal text (``prompting.tokenize.structural_tokens``).
@@ -74,12 +76,19 @@ class ToolFamily:
     opening: ClassVar[str] = ""
     closing: ClassVar[str] = ""
     arg_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+    call_markup: ClassVar[tuple[str, ...]] = ()
     markup: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def matches(cls, template: str) -> bool:
         """Whether a chat template (one with ``tools``) writes calls in this format."""
         return True
+
+    @property
+    def answer_markup(self) -> tuple[str, ...]:
+        """The markup an answer's text keeps where it is one special token (which
+        plain decoding skips): the markers and the markup inside a call."""
+        return self.markers + self.call_markup
 
     # ------------------------------------------------------------- parsing
     def parse(self, text: str, names: Collection[str], seed: bytes = b"") -> Parsed:
