@@ -1,7 +1,9 @@
 """The vLLM server trusts no client: attacks by plain HTTP clients against a real server.
 
-One server (``python -m kvrag_integrations.vllm.serve``) on a disk store with a
-budget and a key file; every attack is a raw request such as any client that
+One server (``python -m kvrag_integrations.vllm.serve``) with a budget and a key
+file, on the run's Redis Cluster (3 primaries, 3 replicas: issue 52 asks that
+these attacks hold on a cluster store; the README's disk store is attacked in
+``test_vllm_defaults.py``); every attack is a raw request such as any client that
 reaches the port can send (vLLM's OpenAI server hands a body's
 ``kv_transfer_params`` and ``cache_salt`` to the connector as they are). None
 succeeds: honest answers and log-probabilities are unchanged, the store holds
@@ -10,7 +12,7 @@ to an exact request, no tenant learns of another's entries, the store stays
 within its budget, and the server stays up. The tenant cases across replicas
 are in ``test_vllm_servers.py``.
 
-``KVRAG_ATTACK_SERVER=url,disk-dir`` points the module at a server started by
+``KVRAG_ATTACK_SERVER=url,store-url`` points the module at a server started by
 hand instead (how the attacks were shown to succeed on the code before them).
 The attacks on a server at the README's defaults (no key file) are in
 ``test_vllm_defaults.py``.
@@ -35,9 +37,10 @@ from redis_helpers import free_port
 from vllm_helpers import TOP, Corpus, VLLMServer, max_logprob_gap, needs_vllm
 
 from kvrag_integrations.bench.openai_apps import wait_indexed
+from kvrag_integrations.bench.redis_cluster import LocalRedisCluster
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.engine.prompting.segments import cache_leading_text
-from kvrag_integrations.store import DiskKVStore
+from kvrag_integrations.store import KVStore, open_store
 from kvrag_integrations.vllm.client.turbo import load_run
 from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 from kvrag_integrations.vllm.server.gateway import OPEN_ROUTES
@@ -65,8 +68,9 @@ KEY_A = "sk-team-a"
 class Target:
     """The attacked server: its URL, its store, and an honest client of it."""
 
-    def __init__(self, url: str, store: Path, keys: Path | None = None) -> None:
-        self.url, self.store, self.keys = url, store, keys
+    def __init__(self, url: str, store_url: str, keys: Path | None = None) -> None:
+        self.url, self.store_url, self.keys = url, store_url, keys
+        self.store: KVStore = open_store(store_url)  # the server's store, as it reads it
         self.http = httpx.Client(base_url=f"{url}/v1", timeout=300)
         self.honest = VLLMEngine.connect(url)
         self.model = self.honest.model_name
@@ -103,32 +107,38 @@ class Target:
 
     def stored(self, ids: list[int]) -> str | None:
         """A hash of the bytes of the shared namespace's entry of ``ids`` (None: none)."""
-        key = cache_key(self.honest.fingerprint, ids)
-        path = self.store / key[:2] / f"{key}.safetensors"
-        return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        data = self.store._read_bytes(cache_key(self.honest.fingerprint, ids))
+        return None if data is None else hashlib.sha256(data).hexdigest()
+
+    def nbytes(self) -> int:
+        """What the store holds, in bytes (every entry of every namespace)."""
+        return sum(entry.nbytes for entry in self.store.entries())
 
     def up(self) -> bool:
         return httpx.get(f"{self.url}/health", timeout=10).status_code == 200
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+def target(
+    tmp_path_factory: pytest.TempPathFactory, redis_cluster: LocalRedisCluster
+) -> Iterator[Target]:
     given = os.environ.get("KVRAG_ATTACK_SERVER")
     if given:
-        url, store = given.split(",", 1)
-        given_target = Target(url, Path(store))
+        url, store_url = given.split(",", 1)
+        given_target = Target(url, store_url)
         with given_target.honest:
             yield given_target
         return
+    for port in redis_cluster.primary_ports():  # the budget counts this module's alone
+        redis_cluster.client(port).flushall()
     workdir = tmp_path_factory.mktemp("vllm-attacked")
-    store = workdir / "kv"
     keys = workdir / "keys.json"
     keys.write_text(json.dumps(KEYS))
     extra = ["--tenant-keys", str(keys), "--max-store-bytes", str(BUDGET)]
     extra += ["--max-entry-tokens", str(MAX_ENTRY)]
-    server = VLLMServer(f"disk:{store}", workdir, free_port(), extra).wait()
+    server = VLLMServer(redis_cluster.url, workdir, free_port(), extra).wait()
     try:
-        target = Target(server.url, store, keys)
+        target = Target(server.url, redis_cluster.url, keys)
         with target.honest:
             yield target
     finally:
@@ -195,6 +205,7 @@ def test_no_request_stores_a_span_of_a_longer_prompt(
             assert target.stored(entry) is None  # nothing written
             target.honest.encode_chunks([chunk, other], show_progress=False)
             honest = target.stored(entry)
+            assert honest is not None
     assert target.stored(entry) == honest  # the honest entry untouched
     got = honest_answer(target, item.question, [chunk, other])
     # computed afresh in another namespace: a key's (its quota holds both passages; a
@@ -231,6 +242,7 @@ def test_overwrite_needs_an_admin_key(target: Target, musique: Corpus) -> None:
     entry = target.entry_ids(chunk)
     target.honest.encode_chunks([chunk], show_progress=False)
     before = target.stored(entry)
+    assert before is not None  # the honest entry, read as the server stores it
     save = {"kvrag": {"save": [[0, len(entry), []]], "overwrite": True}}
     for key in (None, "sk-team-a", "not-a-key"):
         reply = target.post({"prompt": entry, "kv_transfer_params": save}, key=key)
@@ -335,14 +347,16 @@ def test_many_or_huge_save_pieces_store_nothing(target: Target, musique: Corpus)
 def test_a_flood_of_encodes_keeps_the_store_within_its_budget(
     target: Target, musique: Corpus
 ) -> None:
-    store = DiskKVStore(target.store)
     words = " ".join(musique.item(57).chunks[0].split()[:200])
     for i in range(48):  # 7 MB entries: more than the budget
         text = f"flood {i}: {words}"
         ids = target.honest.tokenizer(text)["input_ids"]
         save = {"kvrag": {"save": [[0, len(ids), []]]}}
         target.post({"prompt": ids, "kv_transfer_params": save})
-        assert store.nbytes <= BUDGET
+        assert target.nbytes() <= BUDGET
+    held = target.nbytes()
+    print({"flood": f"{held} bytes held of a budget of {BUDGET}"})
+    assert held > 0  # (the store was read: the flood wrote what its quota let it)
     assert target.up()
     # the honest path still works after the flood: the template's head may have been
     # evicted (least recently used), so the first request computes it and encodes it
@@ -413,7 +427,7 @@ def test_a_stored_prompt_carries_no_injected_text_into_anothers_passages(
     taught = target.post({"prompt": head + injection + "\n\n" + "\n\n".join(passages)}, KEY_A)
     learned = taught["usage"]["prompt_tokens"]
     # the learned prompt is written after its answer; if it never is, the test proves nothing
-    wait_indexed(f"disk:{target.store}", learned, timeout=30)
+    wait_indexed(target.store_url, learned, timeout=30)
     question = "\n\nWhat is the capital?"
     victim = target.post({"prompt": head + "\n\n".join(passages) + question}, KEY_A)
     # the shared head (exact: the same ids from position 0) at most; no passage
@@ -449,9 +463,7 @@ def test_cached_tokens_count_only_what_was_loaded_and_kept(target: Target, musiq
     (chunk,) = musique.chunks(62, 1, tag="rejected")
     entry = target.entry_ids(chunk)
     key = cache_key(target.honest.fingerprint, entry)
-    path = target.store / key[:2] / f"{key}.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"not an entry" * 1000)  # what the lookup sees as stored
+    target.store._write_bytes(key, b"not an entry" * 1000)  # what the lookup sees as stored
     ids = entry[:-1] + target.honest.tokenizer(" Why?")["input_ids"]
     load = {"load": [[0, len(entry) - 1, entry[-1:]]]}  # (the chunk's suffix as its tail)
     reply = target.post({"prompt": ids, "kv_transfer_params": {"kvrag": load}})
