@@ -129,8 +129,15 @@ def target(
         with given_target.honest:
             yield given_target
         return
-    for port in redis_cluster.primary_ports():  # the budget counts this module's alone
-        redis_cluster.client(port).flushall()
+
+    # The run's cluster, emptied before (the budget counts this module's entries alone)
+    # and after (the replicas' servers, test_vllm_servers.py and
+    # test_vllm_openai_clients.py, start later on it, on a budget of their own).
+    def empty() -> None:
+        for port in redis_cluster.primary_ports():
+            redis_cluster.client(port).flushall()
+
+    empty()
     workdir = tmp_path_factory.mktemp("vllm-attacked")
     keys = workdir / "keys.json"
     keys.write_text(json.dumps(KEYS))
@@ -143,6 +150,7 @@ def target(
             yield target
     finally:
         server.stop()
+        empty()
 
 
 def honest_answer(target: Target, question: str, chunks: list[str]) -> dict[int, float]:
