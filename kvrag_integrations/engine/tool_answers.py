@@ -39,9 +39,9 @@ class AnswerText:
     """An answer's text from its token ids as they come: special tokens skipped but
     the family's markup (``marker_ids``), decoded incrementally."""
 
-    def __init__(self, tokenizer: Any, markers: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Any, markup: Sequence[str]) -> None:
         self.tokenizer = tokenizer
-        self.marker_ids = _marker_ids(tokenizer, markers)
+        self.marker_ids = _marker_ids(tokenizer, markup)
         self._done = ""  # text up to the last marker, marker included
         self._decoder = TextDecoder(tokenizer)
         self._run = ""  # text of the ids after it

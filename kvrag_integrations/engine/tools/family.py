@@ -280,14 +280,29 @@ def read_call_objects(
         if found is None:
             return [], [(_name_in(rest), raw, f"{what} holds no valid JSON call object")]
         value, end = found
-        for item in value if isinstance(value, list) else [value]:
-            call = _call_object(item, names, arg_keys, strict=False)
-            if call is None:
-                return [], [(_name_of(item), raw, _why_not(item, names, what))]
-            calls.append(call)
+        found_calls, invalid = call_items(
+            value if isinstance(value, list) else [value], names, arg_keys, raw, what
+        )
+        if invalid:
+            return [], invalid
+        calls += found_calls
         rest = rest[end:].lstrip().lstrip(";").lstrip()
     if not calls:
         return [], [(None, raw, f"{what} holds no call")]
+    return calls, []
+
+
+def call_items(
+    items: Sequence[Any], names: Collection[str], arg_keys: Sequence[str], raw: str, what: str
+) -> tuple[list[dict[str, Any]], list[tuple[str | None, str, str]]]:
+    """``items`` (call objects a family's markup holds) as calls to bound tools: all
+    of them, or one invalid call carrying ``raw`` that says why the first is none."""
+    calls: list[dict[str, Any]] = []
+    for item in items:
+        call = _call_object(item, names, arg_keys, strict=False)
+        if call is None:
+            return [], [(_name_of(item), raw, _why_not(item, names, what))]
+        calls.append(call)
     return calls, []
 
 

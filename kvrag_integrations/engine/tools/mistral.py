@@ -24,7 +24,7 @@ from collections.abc import Collection
 from typing import Any, ClassVar
 
 from kvrag_integrations.engine.tools.calls import hashed_id
-from kvrag_integrations.engine.tools.family import ToolFamily, read_call_objects
+from kvrag_integrations.engine.tools.family import ToolFamily, call_items, read_call_objects
 from kvrag_integrations.engine.tools.json_text import decode_json
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -104,7 +104,7 @@ def _named_calls(
     """v11+ calls, ``[TOOL_CALLS]name[ARGS]{..}`` each: all of them, or one invalid
     call carrying ``text``. Markers with nothing between count as one; text after
     a call's arguments is dropped, as vLLM drops it."""
-    calls: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
     for segment in text.split(TOOL_CALLS)[1:]:
         if not segment.strip():
             continue
@@ -113,12 +113,9 @@ def _named_calls(
             return [], [(None, text, f"{TOOL_CALLS} holds no name{ARGS}{{...}} call")]
         name = head.group("name")
         found = decode_json(segment, head.end())
-        if name not in names:
-            why = f"{TOOL_CALLS} calls {name!r}, which is not among the bound tools"
-            return [], [(name, text, f"{why} {sorted(names)}")]
-        if found is None or not isinstance(found[0], dict):
+        if found is None:
             return [], [(name, text, f"{TOOL_CALLS} calls {name!r} with no JSON object")]
-        calls.append({"name": name, "arguments": found[0], "id": head.group("id")})
-    if not calls:
+        items.append({"name": name, "arguments": found[0], "id": head.group("id")})
+    if not items:
         return [], [(None, text, f"{TOOL_CALLS} holds no call")]
-    return calls, []
+    return call_items(items, names, ("arguments",), text, TOOL_CALLS)
