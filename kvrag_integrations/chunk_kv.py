@@ -26,6 +26,9 @@ CACHE_KEY_FIELD = "kvrag_cache_key"
 # How chunk caches are stored (``KVRAGEngine(cache_precision=...)``): "model" keeps
 # the compute dtype (full precision).
 PRECISIONS = ("float16", "bfloat16", "int8", "model")
+# Every entry point's default (both engines, the CLI, the server): half the bytes of
+# float32 at no measurable cost in answers (docs/benchmarks.md, "quality").
+DEFAULT_PRECISION = "float16"
 
 # The largest finite float16; a larger magnitude would become inf.
 FLOAT16_MAX = 65504.0

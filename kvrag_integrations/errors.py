@@ -71,6 +71,16 @@ class CacheEntryError(KVRAGError):
     """
 
 
+class NotRegularFileError(CacheEntryError, OSError):
+    """A store's file (an entry, the content index's log) that is not a regular file:
+    a FIFO, a device, a symlink where none is taken. Refused without blocking; the
+    message names it."""
+
+
+class CalibrationError(KVRAGError, ValueError):
+    """A calibration record is malformed, or a calibration cannot run or be stored."""
+
+
 class StoreWriteError(KVRAGError, OSError):
     """A store could not write an entry (disk full, read-only directory, ...)."""
 

@@ -37,7 +37,10 @@ that fails, or would overrun the budget, is recorded as such and the rest run:
    static and eager, beside the weights, the chunk store and one K/V copy;
 7. ``scaling``: ``bench scaling --preset gpu`` at 64 and 128 chunks of 256 tokens
    (16.5k, 33k: full, turbo, turbo from the host tier, blend@0.15, the floor);
-8. ``exact``: ``exact.py`` (CUDA against CPU through the public API).
+8. ``exact``: ``exact.py`` (CUDA against CPU through the public API);
+9. ``vllm_blend``: blend inside vLLM's workers (issue 57): the attention its
+   proxies compute for the recomputed rows, at the 8B shape over a 16.5k-token run
+   with 15% of its rows scattered, against the textbook and timed per layer.
 
 ``--dry-run`` runs every step on CPU with a 2-layer shape at smoke sizes (the
 static decode opted in on CPU; no figure means anything) in well under a minute.
@@ -66,6 +69,7 @@ from gpu_check_parts import (
     memory_step,
     profile_step,
     static_exact_step,
+    vllm_blend_step,
 )
 
 from kvrag_integrations import KVRAGEngine
@@ -207,6 +211,9 @@ def summary(done: dict[str, Any]) -> dict[str, Any]:
     kernel = done.get("kernel", {})
     holds["kernel_equals_sdpa"] = bool(kernel.get("all_close"))
     holds["mask_free_same_top_token"] = bool(done.get("lower_right", {}).get("same_top_token"))
+    blend = done.get("vllm_blend", {})
+    holds["vllm_blend_attention_exact"] = blend.get("max_diff", 1.0) <= 2e-2
+    figures["vllm_blend_attention_ms_per_layer"] = blend.get("attention_ms_per_layer")
     return {"figures": figures, "bounds": {**BOUNDS, **MIN_RATIOS}, "holds": holds}
 
 
@@ -242,6 +249,7 @@ def run(assets: Path, out: Path, dry: bool, budget_s: float) -> None:
     steps.run("memory", 40, lambda: memory_step(engine, question, pool, sizes))
     steps.run("scaling", 110, lambda: scaling_step(engine, items, dry, out))
     steps.run("exact", 90, lambda: exact_step(assets, out / "exact-work"))
+    steps.run("vllm_blend", 20, lambda: vllm_blend_step(engine, dry))
     print(json.dumps({**steps.head, **summary(steps.done)}, indent=2, default=str))
 
 

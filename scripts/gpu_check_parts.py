@@ -362,3 +362,42 @@ def memory_step(
             }  # fmt: skip
         points.append(point)
     return {"points": points}
+
+
+def vllm_blend_step(engine: KVRAGEngine, dry: bool) -> dict[str, Any]:
+    """Blend inside vLLM's workers on CUDA: the attention its proxies compute for the
+    recomputed rows (``vllm.connector.blend._attention``, and ``_mass`` for query-driven
+    selection), at the 8B shape's heads over a 16.5k-token run with 15% of its rows
+    scattered, against the textbook in float64 (a slice of rows) and timed per layer.
+    (The device image runs no CUDA vLLM: the model's own layers around it are vLLM's,
+    exercised on CPU in the vLLM lane.)"""
+    from kvrag_integrations.vllm.connector.row_attention import rows_attention, rows_mass
+
+    dev, dtype = engine.device, engine.loaded.dtype
+    heads, kv_heads, dim, length = (4, 2, 16, 512) if dry else (32, 8, 128, 16513)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows_at = torch.randperm(length, generator=gen, device=dev)[: int(0.15 * length)].sort()[0]
+    q = torch.randn(rows_at.numel(), heads, dim, generator=gen, device=dev).to(dtype)
+    k = torch.randn(length, kv_heads, dim, generator=gen, device=dev).to(dtype)
+    v = torch.randn(length, kv_heads, dim, generator=gen, device=dev).to(dtype)
+    keys_at = torch.arange(length, device=dev)
+    visible = keys_at[None] <= rows_at[:, None]
+    scale = dim**-0.5
+    out = rows_attention(q, k, v, visible, scale, None)
+    some = slice(0, 64)  # the textbook on a slice of rows, in float64
+    groups = heads // kv_heads
+    k64 = k.double().repeat_interleave(groups, dim=1)
+    v64 = v.double().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("rhd,thd->hrt", q[some].double(), k64) * scale
+    weights = scores.masked_fill(~visible[some][None], float("-inf")).softmax(-1)
+    want = torch.einsum("hrt,thd->rhd", weights, v64)
+    tail = slice(rows_at.numel() - 32, None)
+    mass = rows_mass(q[tail], k, visible[tail], scale, None)
+    return {
+        "rows": rows_at.numel(),
+        "keys": length,
+        "max_diff": (out[some].double() - want).abs().max().item(),
+        "attention_ms_per_layer": _ms(lambda: rows_attention(q, k, v, visible, scale, None)),
+        "mass_ms_per_layer": _ms(lambda: rows_mass(q[tail], k, visible[tail], scale, None)),
+        "mass_sums_to_rows_x_heads": abs(mass.sum().item() - 32 * heads) < 1e-2 * 32 * heads,
+    }

@@ -68,7 +68,7 @@ class Budgeted:
 
     def write(self, kv: ChunkKV) -> bool:
         """What the connector's worker does with an entry it stores."""
-        if not self.budget.admit(kv.nbytes + HEADER, kv.fingerprint):
+        if not self.budget.allow_write(kv.nbytes + HEADER, kv.fingerprint):
             self.refused += 1
             return False
         self.store.put(kv)
@@ -112,7 +112,7 @@ def anonymous_agent_flood(b: Budgeted, waves: int = 10, at_once: int = 12) -> in
     stored = 0
     for wave in range(waves):
         prefixes = [
-            make_kv(Tenant.of_anonymous_request(secrets.token_hex(16)), n=32)
+            make_kv(Tenant.of_request("anonymous", secrets.token_hex(16)), n=32)
             for _ in range(at_once)
         ]
         written = [kv for kv in prefixes if b.write(kv)]

@@ -16,11 +16,15 @@ started here; run by name), ``vllm`` (vLLM with the KV connector against vLLM
 alone and the in-process engine: reuse, TTFT, throughput, the frameworks on it;
 needs vLLM installed), ``openai`` (plain OpenAI clients, LangChain's ``ChatOpenAI``
 and LlamaIndex's ``OpenAILike``, against the server with and without the connector;
-needs vLLM), ``match`` (the content index that finds stored entries inside a prompt:
-cover time, build, log replay, memory; no model: ``--chunks`` entries, ``--repeats``
-prompts). ``all`` runs them in that order on one loaded model (``vllm``, ``openai``
-and ``match`` apart: they are run by name). Each writes ``<suite>.json`` (numbers +
-machine facts + the command), ``<suite>.md`` (a table) and its PNG plots under ``--out``.
+needs vLLM), ``serve`` (load: our server against vLLM's own at several concurrencies,
+by vLLM's serving benchmark, and beside a flooding client; needs vLLM), ``match``
+(the content index that finds stored entries inside a prompt: cover time, build,
+log replay, memory; no model: ``--chunks`` entries, ``--repeats`` prompts),
+``tools`` (CPU time of each tool family's streaming detector on a call with a
+long argument; no model). ``all`` runs them in that order on one loaded model
+(``vllm``, ``openai``, ``serve``, ``match`` and ``tools`` apart: they are run by
+name). Each writes ``<suite>.json`` (numbers + machine facts + the command),
+``<suite>.md`` (a table) and its PNG plots under ``--out``.
 ``--quick`` shrinks every suite to a smoke run (a few items, tiny chunks).
 ``--dummy-weights`` makes ``--model`` a named shape (``llama-3.1-8b``, ...: see
 ``bench/shapes.py``) with random weights, for timings without a download.
@@ -54,8 +58,10 @@ from kvrag_integrations.bench import (
     report,
     rerank,
     scaling,
+    serve_load,
     shapes,
     stores,
+    tool_stream,
     ttft,
     vllm_serving,
 )
@@ -81,14 +87,18 @@ SUITES: dict[str, ModuleType] = {
     "cluster": cluster,
     "vllm": vllm_serving,
     "openai": openai_clients,
+    "serve": serve_load,
     "match": match,
+    "tools": tool_stream,
 }
 # Suites that load no model (nor benchmark data): run by name only.
-MODEL_FREE = {"match"}
+MODEL_FREE = {"match", "tools"}
 # What ``all`` runs on one model: every suite but those that need more than the
 # package (vLLM) and those that need no model.
 ALL = [
-    name for name in SUITES if name not in ("vllm", "openai", "cluster") and name not in MODEL_FREE
+    name
+    for name in SUITES
+    if name not in ("vllm", "openai", "serve", "cluster") and name not in MODEL_FREE
 ]
 
 
@@ -113,6 +123,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("--data", default=None, help="MuSiQue-format JSON (default: ../shared/data)")
     p.add_argument("--items", type=int, default=None, help="questions to run (default 5)")
+    p.add_argument(
+        "--first-item",
+        type=int,
+        default=0,
+        help="skip the data's questions before this one (questions a calibration never saw)",
+    )
     p.add_argument("--chunks", type=int, default=None, help="chunks (candidates) per prompt")
     p.add_argument("--chunk-tokens", type=int, default=None, help="trim chunks to N tokens")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
@@ -124,7 +140,8 @@ def parser() -> argparse.ArgumentParser:
         "--lengths",
         type=_ints,
         default=None,
-        help="scaling: chunk lengths (tokens); vllm prefix-hit, decode: prompt lengths",
+        help="scaling: chunk lengths (tokens); vllm prefix-hit, decode: prompt lengths; "
+        "tools: argument sizes (KB)",
     )
     p.add_argument(
         "--max-new-tokens",
@@ -151,6 +168,24 @@ def parser() -> argparse.ArgumentParser:
         help="vllm: the parts to run (ttft, throughput, agreement, frameworks, prefix-hit)",
     )
     p.add_argument(
+        "--concurrencies", type=_ints, default=None, help="serve: requests at once, e.g. 1,4,16"
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="serve: requests at each concurrency (default: max(24, 4 x concurrency))",
+    )
+    p.add_argument(
+        "--flood-concurrency",
+        type=int,
+        default=None,
+        help="serve: the flooding client's requests in flight (0: no abuse run)",
+    )
+    p.add_argument(
+        "--api-server-count", type=int, default=None, help="serve: our server's API processes"
+    )
+    p.add_argument(
         "--filled",
         type=_ints,
         default=None,
@@ -174,9 +209,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+def suite_options(
+    module: ModuleType, args: argparse.Namespace, vllm_engine: Any = None
+) -> dict[str, Any]:
     """The suite's ``run`` keyword arguments: the preset's sizes, its ``QUICK`` sizes,
-    then what was given."""
+    then what was given (``vllm_engine``: a running one, for the suites that take it)."""
     options = preset_options(module, args)
     given = {
         "n_chunks": args.chunks,
@@ -191,6 +228,11 @@ def suite_options(module: ModuleType, args: argparse.Namespace) -> dict[str, Any
         "parts": args.parts,
         "static_on_cpu": True if getattr(args, "static_on_cpu", False) else None,
         "filled": getattr(args, "filled", None),
+        "concurrencies": getattr(args, "concurrencies", None),
+        "requests": getattr(args, "requests", None),
+        "flood_concurrency": getattr(args, "flood_concurrency", None),
+        "api_server_count": getattr(args, "api_server_count", None),
+        "vllm_engine": vllm_engine,
     }
     if args.ratios is not None:
         given["strategies"] = [("full", {}), ("turbo", {})]
@@ -244,14 +286,19 @@ def out_dir(args: argparse.Namespace, engine: KVRAGEngine) -> str:
 
 
 def run_suite(
-    name: str, engine: KVRAGEngine | None, items: list, args: argparse.Namespace, command: str
+    name: str,
+    engine: KVRAGEngine | None,
+    items: list,
+    args: argparse.Namespace,
+    command: str,
+    vllm_engine: Any = None,
 ) -> None:
     """Run one suite, write its JSON, Markdown table and plots, print the table."""
     module = SUITES[name]
     started = time.perf_counter()
     if args.quick and args.items is None:  # a suite's smoke run may need fewer questions
         items = items[: getattr(module, "QUICK", {}).get("items", len(items))]
-    payload = module.run(engine, items, **suite_options(module, args))
+    payload = module.run(engine, items, **suite_options(module, args, vllm_engine))
     payload["suite_s"] = round(time.perf_counter() - started, 1)
     payload["machine"] = machine_info(engine)
     payload["command"] = command
@@ -266,7 +313,10 @@ def run_suite(
     print(f"results: {path}" + "".join(f"\nplot: {p}" for p in pngs))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, vllm_engine: Any = None) -> None:
+    """Run ``argv``'s suite. ``vllm_engine``: a running ``VLLMEngine`` of the model
+    that the ``vllm`` suite (and ``rerank``'s vLLM column) measure instead of
+    starting one (the tests pass their session's)."""
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["report"]:
@@ -296,9 +346,9 @@ def main(argv: list[str] | None = None) -> None:
         count = preset_options(SUITES[args.suite], args).get("items")
     if count is None:
         count = 2 if args.quick else 5
-    items = load_items(args.data, count)
+    items = load_items(args.data, count + args.first_item if count else None)[args.first_item :]
     for name in names:
-        run_suite(name, engine, items, args, command)
+        run_suite(name, engine, items, args, command, vllm_engine)
     print(f"\n{json.dumps(machine_info(engine))}")
 
 

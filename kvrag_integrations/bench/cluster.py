@@ -101,7 +101,7 @@ def capacity(store: RedisKVStore, kvs: list[ChunkKV], maxmemory: int) -> dict[st
     budget = StoreBudget(store, store_budget(store)[0])
     most, oom, refused = _most_used(store), 0, 0
     for kv in kvs:
-        if not budget.admit(len(encode_entry(kv)), kv.fingerprint, kv.key):
+        if not budget.allow_write(len(encode_entry(kv)), kv.fingerprint, kv.key):
             refused += 1
             continue
         try:

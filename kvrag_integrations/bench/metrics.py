@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
@@ -106,9 +107,10 @@ def paired_bootstrap(
     """A paired comparison over the same questions, with a bootstrap interval.
 
     Questions are resampled with replacement, keeping each question's pair
-    together (``scipy.stats.bootstrap(..., paired=True)``, percentile interval),
-    so the interval reflects how much the verdict depends on which questions
-    were drawn.
+    together (a percentile interval, as ``scipy.stats.bootstrap(..., paired=True,
+    method="percentile")`` gives; numpy alone, so the calibration can use it
+    without the bench extra), so the interval reflects how much the verdict
+    depends on which questions were drawn.
 
     Args:
         values: one number per question for the strategy under test.
@@ -135,35 +137,34 @@ def paired_bootstrap(
     """
     if not values or (baseline is not None and len(values) != len(baseline)):
         raise ValueError("need the same non-empty list of questions on both sides")
-    from scipy import stats
-
-    data = (np.asarray(values, dtype=float),)
+    data = [np.asarray(values, dtype=float)]
     if baseline is not None:
-        data += (np.asarray(baseline, dtype=float),)
+        data.append(np.asarray(baseline, dtype=float))
 
-    def statistic(a: np.ndarray, b: np.ndarray | None = None, axis: int = -1) -> np.ndarray:
-        mean = a.mean(axis=axis)
-        if b is None:
+    def statistic(picked: list[np.ndarray]) -> np.ndarray:
+        mean = picked[0].mean(axis=-1)
+        if len(picked) == 1:
             return mean
-        base = b.mean(axis=axis)
+        base = picked[1].mean(axis=-1)
         if not ratio:
             return mean - base
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(base != 0, mean / np.where(base != 0, base, 1.0), np.inf)
 
-    estimate = float(statistic(*data))
+    estimate = float(statistic(data))
     if len(values) < 2 or all(len(set(d.tolist())) == 1 for d in data):
         return estimate, estimate, estimate  # nothing to resample: no spread
-    with np.errstate(invalid="ignore"):  # an infinite ratio in some resamples
-        result = stats.bootstrap(
-            data,
-            statistic,
-            n_resamples=resamples,
-            paired=True,
-            vectorized=True,
-            confidence_level=level,
-            method="percentile",
-            random_state=np.random.default_rng(seed),
-        )
-    low, high = result.confidence_interval
+    rows = np.random.default_rng(seed).integers(0, len(values), size=(resamples, len(values)))
+    spread = statistic([d[rows] for d in data])
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(spread, [tail, 100 - tail])
     return estimate, float(low), float(high)
+
+
+def kl_top(exact: dict[Any, float], approx: dict[Any, float]) -> float:
+    """KL(exact || approx) over the exact answer's top tokens (an approximate
+    log-probability missing from its own top list counts as its smallest one)."""
+    if not exact or not approx:
+        return math.nan
+    floor = min(approx.values())
+    return sum(math.exp(lp) * (lp - approx.get(t, floor)) for t, lp in exact.items())

@@ -43,6 +43,7 @@ import uuid
 from typing import Any
 
 from kvrag_integrations.bench.common import RagItem, markdown_table
+from kvrag_integrations.bench.metrics import kl_top
 from kvrag_integrations.bench.openai_apps import (
     Meter,
     Server,
@@ -184,15 +185,6 @@ def _probes(
         top = reply.choices[0].logprobs.content[0].top_logprobs
         out[label] = {t.token: t.logprob for t in top}
     return out
-
-
-def kl_top(exact: dict[Any, float], approx: dict[Any, float]) -> float:
-    """KL(exact || approx) over the exact answer's top tokens (an approximate
-    log-probability missing from its own top list counts as its smallest one)."""
-    if not exact or not approx:
-        return math.nan
-    floor = min(approx.values())
-    return sum(math.exp(lp) * (lp - approx.get(t, floor)) for t, lp in exact.items())
 
 
 def _share(record: dict[str, Any]) -> float:

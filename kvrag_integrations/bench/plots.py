@@ -99,14 +99,7 @@ def scaling_lines(payload: dict[str, Any], path: Path, sweep: str) -> Path:
         ax.plot(xs, ys, marker="o", label=name, color=color(name, i))
     ax.plot(xs, [p["floor_ms"] for p in points], linestyle="--", marker=".",
             color=COLORS["floor"], label="query-only floor")  # fmt: skip
-    from matplotlib.ticker import FuncFormatter, LogLocator
-
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.minorticks_off()
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    _log_axes(ax, xs)
     if sweep == "chunks":
         ax.set_xlabel(f"chunks in the prompt ({payload['chunk_tokens']} tokens each)")
         title = "TTFT vs number of chunks"
@@ -176,3 +169,49 @@ def quality_tradeoff(payload: dict[str, Any], path: Path) -> Path:
     )
     ax.grid(True, alpha=0.3)
     return _save(fig, path)
+
+
+def load_lines(payload: dict[str, Any], path: Path, labels: dict[str, str]) -> Path:
+    """``bench serve``: requests/s and TTFT p50/p99 against concurrency, one line per
+    server (log scales), the flooded run as a lone marker."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5.6))
+    tints = {"kvrag": COLORS["turbo"], "plain": COLORS["full"]}
+    for kind, figures in payload["servers"].items():
+        runs = sorted((int(c), r) for c, r in figures["runs"].items())
+        xs = [c for c, _ in runs]
+        tint = tints.get(kind)
+        left.plot(xs, [r["request_throughput"] for _, r in runs], marker="o", color=tint,
+                  label=labels.get(kind, kind))  # fmt: skip
+        for stat, style in (("median", "-"), ("p99", "--")):
+            ys = [r[f"{stat}_ttft_ms"] for _, r in runs]
+            label = f"{labels.get(kind, kind)}, {stat.replace('median', 'p50')}"
+            right.plot(xs, ys, linestyle=style, marker="o", color=tint, label=label)
+        if "flood" in figures:
+            flooded = [figures["flood"]["run"]["p99_ttft_ms"]]
+            label = f"{labels.get(kind, kind)}, p99 beside the flood"
+            right.plot([payload["flood_at"]], flooded, marker="x", color=tint,
+                       linestyle="none", markersize=9, label=label)  # fmt: skip
+    levels = sorted({int(c) for figures in payload["servers"].values() for c in figures["runs"]})
+    for ax in (left, right):
+        _log_axes(ax, levels)
+        ax.set_xlabel("concurrent requests (vllm bench serve --max-concurrency)")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    left.set_ylabel("requests/s")
+    right.set_ylabel("TTFT (ms)")
+    title = f"RAG load, {payload['n_chunks']} stored passages in a new order"
+    fig.suptitle(f"{title}\n{_subtitle(payload)}", fontsize=10)
+    return _save(fig, path)
+
+
+def _log_axes(ax: Any, xs: list[int]) -> None:
+    """Log axes: ``xs`` ticked on a base-2 x axis, the y decades labelled at 1, 2, 5."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))

@@ -142,8 +142,14 @@ CONTEXT_PASSAGES = [row for i, row in enumerate(CONTEXT) if i not in (3, 8)]
 # over the same weights.
 ENGINE_OPTIONS = ("cache_precision", "chunk_suffix", "chunk_context")
 
+# Full, turbo and blend as the engine serves it: blend by name takes the model's
+# calibrated settings for the prompt's chunk length (``kvrag calibrate``,
+# ``engine.blend_settings``); judged on questions the calibration never saw.
+CALIBRATED: list[tuple[str, dict[str, Any]]] = [("full", {}), ("turbo", {}), ("blend", {})]
+
 PRESETS = {
     "default": DEFAULT_STRATEGIES,
+    "calibrated": CALIBRATED,
     "precision": PRECISION,
     "suffix": SUFFIX,
     "context": CONTEXT,
@@ -231,6 +237,8 @@ def run(
     strategies = strategies or DEFAULT_STRATEGIES
     engines: dict[tuple, KVRAGEngine] = {}
     per: dict[str, dict[str, list[float]]] = {label(n, o): {} for n, o in strategies}
+    for name, _ in strategies:  # (their entries are stored with the chunks')
+        engine.use_strategy(name)
     prompt_tokens = []
     for item in items:
         chunks = item.chunks[:n_chunks]
@@ -290,7 +298,7 @@ def run(
                 "f1_vs_full_per_item": [round(x, 3) for x in values["f1_vs_full"]],
             }
         )
-    return {
+    payload = {
         "items": len(items),
         "chunks_per_prompt": n_chunks,
         "chunk_tokens": chunk_tokens or "whole",
@@ -298,6 +306,10 @@ def run(
         "repeats": repeats,
         "results": rows,
     }
+    calibration = engine.calibrations.current() if ("blend", {}) in strategies else None
+    if calibration is not None:  # what "blend" (no options) ran with
+        payload["blend_calibration"] = [c.as_json() for c in calibration.choices]
+    return payload
 
 
 def table(payload: dict[str, Any]) -> str:
@@ -325,6 +337,13 @@ def table(payload: dict[str, Any]) -> str:
         for r in payload["results"]
     ]
     text = markdown_table(headers, rows)
+    if payload.get("blend_calibration"):  # what "blend" ran with: the model's calibration
+        chosen = "; ".join(
+            f"~{c['chunk_tokens']}-token chunks: "
+            + ", ".join(f"{k}={v}" for k, v in c["settings"].items())
+            for c in payload["blend_calibration"]
+        )
+        text += f"\n\nblend: the model's calibrated settings ({chosen})."
     tables = [text, paired_table(payload)]
     # Variants of blend also against blend@0.15 itself (the default's options).
     if sum(r["strategy"].startswith("blend(") for r in payload["results"]) > 0:

@@ -29,7 +29,9 @@ from kvrag_integrations.bench import (
     quality,
     rerank,
     scaling,
+    serve_load,
     stores,
+    tool_stream,
     ttft,
     vllm_serving,
 )
@@ -37,6 +39,8 @@ from kvrag_integrations.bench import (
 SECTIONS = [
     ("ttft", ttft, "Time to first token by strategy"),
     ("ttft-context", ttft, "Time to first token of the blend candidates (encoding context)"),
+    ("ttft-calibrated", ttft, "Time to first token with blend's calibrated settings"),
+    ("ttft-calibrated-run2", ttft, "Time to first token with blend's calibrated settings (run 2)"),
     ("scaling", scaling, "TTFT vs number and length of chunks, with the query-only floor"),
     ("decode", decode, "Decoding speed at batch 1 after turbo, beside HF's generate"),
     ("quality", quality, "Speed and fidelity on MuSiQue (whole passages)"),
@@ -46,6 +50,16 @@ SECTIONS = [
     ("quality-agreement", quality, "CacheBlend: answer agreement with full as recompute nears 1"),
     ("quality-precision", quality, "Turbo from caches stored in each precision"),
     ("quality-suffix", quality, "The chunk suffix read with its chunk, or computed per request"),
+    *[
+        (
+            f"quality-calibrated-{model}-{shape}{run}",
+            quality,
+            f"Blend as calibrated, held-out questions{title}: {name}, {what}",
+        )
+        for model, name in (("smollm2", "SmolLM2-135M"), ("gemma3", "Gemma-3-270M"))
+        for shape, what in (("chunks", "10 chunks of 64 tokens"), ("passages", "10 whole passages"))
+        for run, title in (("", " 0-19"), ("-run2", " 20-39"))
+    ],
     (
         "quality-context-smollm2-chunks",
         quality,
@@ -76,6 +90,8 @@ SECTIONS = [
     ("stores", stores, "Turbo from memory, disk and Redis per storage precision"),
     ("memory", memory, "Stored cache size per dtype and store read throughput"),
     ("vllm", vllm_serving, "vLLM with the KV connector: reuse, TTFT, throughput, frameworks"),
+    ("vllm-blend", vllm_serving, "Blend on vLLM beside blend in process, same prompts"),
+    ("vllm-blend-run2", vllm_serving, "Blend on vLLM beside blend in process (run 2)"),
     (
         "vllm-prefix-hit",
         vllm_serving,
@@ -86,7 +102,10 @@ SECTIONS = [
         openai_clients,
         "Plain OpenAI clients (ChatOpenAI, OpenAILike) against the server, and vLLM alone",
     ),
+    ("serve", serve_load, "Load: our server against vLLM alone (vllm bench serve), and a flood"),
+    ("serve-run2", serve_load, "Load, a second run apart from the first"),
     ("match", match, "Finding stored entries inside a prompt: the content index"),
+    ("tools", tool_stream, "Tool calls streamed: each family's detector on a long argument"),
 ]
 # The PNG files each suite writes next to its JSON (``<name><suffix>.png``).
 PLOTS = {
@@ -94,6 +113,8 @@ PLOTS = {
     "scaling": ["-chunks", "-length"],
     "quality": ["-tradeoff"],
     "peer": [""],
+    "serve": [""],
+    "serve-run2": [""],
 }
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 

@@ -9,6 +9,7 @@ from typing import Any
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, markdown_table, timed, trimmed_chunks
 from kvrag_integrations.bench.quality import (
+    CALIBRATED,
     DEFAULT_STRATEGIES,
     ENGINE_OPTIONS,
     engine_for,
@@ -26,7 +27,9 @@ CONTEXT: list[tuple[str, dict[str, Any]]] = [
     ("blend", {"recompute_ratio": 0.15, "selection": "query", "chunk_context": "sink"}),
     ("turbo", {"chunk_context": "sink"}),
 ]
-PRESETS = {"default": DEFAULT_STRATEGIES, "context": CONTEXT}
+# Blend as the engine serves it (the model's calibrated settings for these chunks'
+# length), beside full and turbo.
+PRESETS = {"default": DEFAULT_STRATEGIES, "context": CONTEXT, "calibrated": CALIBRATED}
 
 QUICK = {
     "items": 1,
@@ -55,6 +58,8 @@ def run(
     prompts = [
         (it.question, trimmed_chunks(engine.tokenizer, it, n_chunks, chunk_tokens)) for it in items
     ]
+    for name, _ in strategies:  # (their entries are stored with the chunks')
+        engine.use_strategy(name)
     all_chunks = [c for _, chunks in prompts for c in chunks]
     encode_s, _ = timed(lambda: engine.encode_chunks(all_chunks, show_progress=False), 1, 0)
     engines: dict[tuple, KVRAGEngine] = {}

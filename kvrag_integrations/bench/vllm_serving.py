@@ -21,6 +21,9 @@ questions with their first ``n_chunks`` passages (about 2k tokens with three):
 - **agreement**: turbo through vLLM against the in-process turbo, same
   prompts: greedy answers equal, and the first token's top-20 log-probability
   gap;
+- **blend** (only when asked: ``--parts blend``): exact, turbo and blend on
+  vLLM and in process, same prompts: TTFT, first-token KL to each engine's
+  exact answer, answers' F1, what was loaded and recomputed (``bench.vllm_blend``);
 - **prefix-hit** (only when asked: ``--parts prefix-hit``): a request served
   from our store against the same token ids served from vLLM's own prefix
   cache, at ``--lengths`` prompt tokens (``bench.prefix_hit``).
@@ -43,13 +46,13 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.bench import prefix_hit, shapes
+from kvrag_integrations.bench import prefix_hit, shapes, vllm_blend
 from kvrag_integrations.bench.common import RagItem, markdown_table, trimmed_chunks
 from kvrag_integrations.chunk_kv import dtype_name
 from kvrag_integrations.engine.modeling.model import DEFAULT_MODEL_NAME
 
 QUICK = {"items": 2, "n_chunks": 2, "chunk_tokens": 64, "repeats": 1, "max_new_tokens": 4}
-PARTS = ("ttft", "throughput", "agreement", "frameworks", "prefix-hit")
+PARTS = ("ttft", "throughput", "agreement", "frameworks", "prefix-hit", "blend")
 DEFAULT_PARTS = PARTS[:4]
 
 
@@ -64,9 +67,12 @@ def run(
     concurrency: int = 8,
     parts: list[str] | None = None,
     lengths: list[int] | None = None,
+    vllm_engine: Any = None,
 ) -> dict[str, Any]:
     """The figures above (see the module doc); ``chunk_tokens`` trims passages,
-    ``lengths`` are the prefix-hit part's prompt lengths."""
+    ``lengths`` are the prefix-hit part's prompt lengths. ``vllm_engine``: a
+    running ``VLLMEngine`` of the same model to measure (left open) instead of
+    one started here (the tests pass their session's)."""
     from kvrag_integrations.vllm import VLLMEngine
 
     chosen = list(parts or DEFAULT_PARTS)
@@ -74,9 +80,11 @@ def run(
     if unknown:
         raise ValueError(f"unknown vllm parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     model, options = _model_of(engine)
-    served = VLLMEngine.from_pretrained(
-        model, max_model_len=engine.context_window, dtype=dtype_name(engine.dtype), **options
-    )
+    served = vllm_engine
+    if served is None:
+        served = VLLMEngine.from_pretrained(
+            model, max_model_len=engine.context_window, dtype=dtype_name(engine.dtype), **options
+        )
     try:
         if chosen == ["prefix-hit"]:  # alone: none of the shared setup below
             payload = {"parts": chosen, "vllm": vllm_version()}
@@ -111,8 +119,11 @@ def run(
                 payload.update(_frameworks(served, items[0]))
         if "prefix-hit" in chosen:
             payload.update(_prefix_hit(served, items, lengths, repeats))
+        if "blend" in chosen:
+            payload.update(vllm_blend.measure(served, engine, prompts, repeats, max_new_tokens))
     finally:
-        served.close()
+        if served is not vllm_engine:
+            served.close()
     return payload
 
 
@@ -280,6 +291,8 @@ def table(payload: dict[str, Any]) -> str:
         )
     if "prefix_hit" in payload:
         sections.append(prefix_hit.table(payload))
+    if "blend" in payload:
+        sections.append(vllm_blend.table(payload))
     return "\n\n".join(sections)
 
 

@@ -1,4 +1,4 @@
-"""The ``kvrag`` command line: ingest, ask, bench, store.
+"""The ``kvrag`` command line: ingest, ask, bench, store, calibrate.
 
 Each subcommand is a module with ``register(subparsers)``, which adds its parser
 and sets ``func`` (``Namespace -> int`` exit code) with ``set_defaults``. To add
@@ -20,7 +20,7 @@ import logging
 import sys
 from types import ModuleType
 
-from kvrag_integrations.cli import ask, bench, ingest, store
+from kvrag_integrations.cli import ask, bench, calibrate, ingest, store
 from kvrag_integrations.errors import KVRAGError
 from kvrag_integrations.store.url import redact_url
 from kvrag_integrations.train import cli as train
@@ -30,6 +30,7 @@ SUBCOMMANDS: list[ModuleType] = [
     ask,
     bench,
     store,
+    calibrate,
     train,
 ]
 

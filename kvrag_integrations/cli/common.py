@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvrag_integrations.chunk_kv import PRECISIONS
+from kvrag_integrations.chunk_kv import DEFAULT_PRECISION, PRECISIONS
 from kvrag_integrations.errors import KVRAGError
 from kvrag_integrations.store import KVStore
 from kvrag_integrations.store.url import STORE_URL_FORMS, open_store
@@ -39,7 +39,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, auto (default: cpu)")
     parser.add_argument(
         "--cache-precision",
-        default="float16",
+        default=DEFAULT_PRECISION,
         choices=PRECISIONS,
         help="how chunk caches are stored (default: float16; model = full precision)",
     )
@@ -72,7 +72,7 @@ def engine_from(args: argparse.Namespace, store: KVStore) -> Any:
     from kvrag_integrations.engine.engine import KVRAGEngine
 
     base = KVRAGEngine.shared(args.model, device=args.device)
-    precision = getattr(args, "cache_precision", "float16")
+    precision = getattr(args, "cache_precision", DEFAULT_PRECISION)
     return KVRAGEngine(base.loaded, store=store, cache_precision=precision)
 
 

@@ -19,6 +19,7 @@ from kvrag_integrations.store.maintenance import (
     prune,
     summarize,
 )
+from kvrag_integrations.store.quotas import DEFAULT_SHARE, Quotas
 from kvrag_integrations.store.tempfiles import STALE_TEMP_S
 from kvrag_integrations.store.url import redact_url
 
@@ -40,10 +41,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pruning = actions.add_parser("prune", help="evict entries by size, age or model")
     add_store_option(pruning)
     add_model_options(pruning)
-    pruning.add_argument("--max-bytes", type=int, default=None, help="evict oldest until <= N")
+    pruning.add_argument(
+        "--max-bytes",
+        type=int,
+        default=None,
+        help="evict until <= N: least recently used first, of namespaces over their quota "
+        "first (as a server's budget holds them)",
+    )
     pruning.add_argument("--older-than", type=float, default=None, metavar="DAYS")
     pruning.add_argument(
-        "--foreign", action="store_true", help="evict entries made by another model than --model"
+        "--foreign",
+        action="store_true",
+        help="evict entries made by another model than --model (or --fingerprint), in "
+        "any namespace",
+    )
+    pruning.add_argument(
+        "--fingerprint",
+        action="append",
+        default=[],
+        metavar="FP",
+        help="with --foreign: also keep this fingerprint's entries (a vLLM server's: "
+        "VLLMEngine.fingerprint, or its log at start); repeatable",
+    )
+    pruning.add_argument(
+        "--namespace-share",
+        type=float,
+        default=DEFAULT_SHARE,
+        help="with --max-bytes: the share each namespace may hold (as serve's)",
+    )
+    pruning.add_argument(
+        "--tenant-keys",
+        default=None,
+        metavar="FILE",
+        help="with --max-bytes: the key file's quota_bytes (as serve's)",
     )
     pruning.add_argument("--dry-run", action="store_true", help="list, do not delete")
     pruning.set_defaults(func=run_prune)
@@ -101,6 +131,16 @@ def run_verify(args: argparse.Namespace) -> int:
     return 1 if bad and not args.delete else 0
 
 
+def _quotas(args: argparse.Namespace) -> Quotas:
+    """The quotas a server with these flags keeps its store in."""
+    from kvrag_integrations.vllm.keys import KeyFile, namespace_quotas
+
+    if not 0 < args.namespace_share <= 1:
+        raise CLIError("--namespace-share is in (0, 1]")
+    named = namespace_quotas(KeyFile.load(args.tenant_keys)) if args.tenant_keys else {}
+    return Quotas(args.namespace_share, named)
+
+
 def run_prune(args: argparse.Namespace) -> int:
     """Evict entries by ``--max-bytes``, ``--older-than`` and/or ``--foreign``."""
     if args.max_bytes is None and args.older_than is None and not args.foreign:
@@ -110,11 +150,12 @@ def run_prune(args: argparse.Namespace) -> int:
     ):
         raise CLIError("--max-bytes and --older-than must be >= 0")
     store = store_from(args)
-    foreign_to = engine_from(args, store).fingerprint if args.foreign else None
+    foreign_to = [engine_from(args, store).fingerprint, *args.fingerprint] if args.foreign else None
     criteria = {
         "max_bytes": args.max_bytes,
         "older_than_s": None if args.older_than is None else args.older_than * 86400,
         "foreign_to": foreign_to,
+        "quotas": _quotas(args),
     }
     chosen = prune(store, dry_run=args.dry_run, **criteria)
     _print_reclaimed(chosen.temp_files_reclaimed, chosen.temp_bytes_reclaimed)

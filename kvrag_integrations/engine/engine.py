@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.chunk_kv import check_precision
+from kvrag_integrations.chunk_kv import DEFAULT_PRECISION, check_precision
 from kvrag_integrations.engine import registry
+from kvrag_integrations.engine.blend_settings import Calibrations, median_chunk_tokens
 from kvrag_integrations.engine.caching.chunk_caches import ChunkCaches
 from kvrag_integrations.engine.caching.entries import (
     DEFAULT_CHUNK_CONTEXT,
@@ -21,9 +22,10 @@ from kvrag_integrations.engine.caching.entries import (
 from kvrag_integrations.engine.doc_scoring import InProcessScoring
 from kvrag_integrations.engine.frontend import EngineFrontend
 from kvrag_integrations.engine.in_process import answer, plan_prefill
+from kvrag_integrations.engine.modeling.checkpoint_identity import model_identity
 from kvrag_integrations.engine.modeling.model import LoadedModel
 from kvrag_integrations.engine.modeling.sampling import SamplingParams
-from kvrag_integrations.engine.prompting.segments import Chunk, Segment, Text
+from kvrag_integrations.engine.prompting.segments import Chunk, Segment, Text, TokenizedPrompt
 from kvrag_integrations.engine.request import ON_MISS, Request, RequestOptions, check_on_miss
 from kvrag_integrations.engine.results import GenerationResult, PrefillResult
 from kvrag_integrations.engine.scheduling.background import BackgroundEncoder
@@ -32,6 +34,7 @@ from kvrag_integrations.engine.strategies import DEFAULT_STRATEGY, Strategy
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream, Job
 from kvrag_integrations.store import KVStore, MemoryKVStore
 from kvrag_integrations.store.budget import memory_budget
+from kvrag_integrations.store.records import records_for
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ class KVRAGEngine(registry.EngineLoading, InProcessScoring, EngineFrontend):
         cache_prefix: bool = True,
         on_miss: str = DEFAULT_ON_MISS,
         max_pending: int = 256,
-        cache_precision: str = "float16",
+        cache_precision: str = DEFAULT_PRECISION,
         chunk_suffix: str = DEFAULT_CHUNK_SUFFIX,
         chunk_context: str = DEFAULT_CHUNK_CONTEXT,
     ) -> None:
@@ -139,6 +142,8 @@ class KVRAGEngine(registry.EngineLoading, InProcessScoring, EngineFrontend):
         )
         self.caches.ledger = self.encoder
         self.prompts = self.caches.prompts
+        self._calibrations: Calibrations | None = None
+        self.strategies_in_use: set[str] = {DEFAULT_STRATEGY}
         registry.note_engine(self)
 
     def __repr__(self) -> str:
@@ -196,6 +201,40 @@ class KVRAGEngine(registry.EngineLoading, InProcessScoring, EngineFrontend):
         """``loaded.eos_token_ids``: the ids that end an answer."""
         return self.loaded.eos_token_ids
 
+    # ---------------------------------------------------------- calibration
+    @property
+    def calibrations(self) -> Calibrations:
+        """The model's calibrated blend settings (``engine.blend_settings``): the
+        store's record under the checkpoint's identity, else the bundled one."""
+        if self._calibrations is None:
+            try:
+                shelf = records_for(self.store)
+            except ValueError:  # a store of another kind keeps no records
+                shelf = None
+            self._calibrations = Calibrations(model_identity(self.loaded), self.loaded.name, shelf)
+        return self._calibrations
+
+    def blend_options(self, prompt: TokenizedPrompt) -> dict[str, Any]:
+        """The calibrated blend settings for ``prompt``'s chunk length (none: the
+        model was never calibrated, and ``CacheBlend``'s defaults apply)."""
+        self.strategies_in_use.add("blend")
+        settings = self.calibrations.settings_for(median_chunk_tokens(prompt))
+        return {} if settings is None else settings.strategy_options()
+
+    def use_strategy(self, strategy: str) -> None:
+        """Note that requests will use ``strategy``: ``encode_chunks`` then stores the
+        entries it reads too (blend's calibrated encoding context may differ from
+        the engine's). The adapters call it with their strategy; a request does."""
+        self.strategies_in_use.add(strategy)
+
+    def entry_contexts(self) -> tuple[str, ...]:
+        """The encoding contexts ``encode_chunks`` stores entries in: the engine's,
+        and blend's calibrated ones once blend is in use."""
+        contexts = [self.caches.context]
+        if "blend" in self.strategies_in_use:
+            contexts += self.calibrations.contexts()
+        return tuple(dict.fromkeys(contexts))
+
     # -------------------------------------------------------------- chunks
     @property
     def store(self) -> KVStore:
@@ -205,6 +244,7 @@ class KVRAGEngine(registry.EngineLoading, InProcessScoring, EngineFrontend):
     @store.setter
     def store(self, store: KVStore) -> None:
         self.caches.store = store
+        self._calibrations = None  # the new store's records
 
     @property
     def prefix_store(self) -> KVStore:
@@ -243,6 +283,9 @@ class KVRAGEngine(registry.EngineLoading, InProcessScoring, EngineFrontend):
             show_progress: a tqdm progress bar.
             overwrite: recompute even when an intact entry exists.
 
+        Entries are stored in the engine's encoding context, and in blend's
+        calibrated one where it differs once blend is in use (``use_strategy``).
+
         Returns:
             One ``ChunkRef`` per input chunk, in order.
         """
@@ -252,6 +295,7 @@ class KVRAGEngine(registry.EngineLoading, InProcessScoring, EngineFrontend):
             show_progress=show_progress,
             overwrite=overwrite,
             max_tokens=self.context_window,
+            contexts=self.entry_contexts(),
         )
 
     # -------------------------------------------------------------- prefill
@@ -308,7 +352,7 @@ class KVRAGEngine(registry.EngineLoading, InProcessScoring, EngineFrontend):
         """
         misses, pre.misses = pre.misses, {}
         if misses:
-            queued = self.encoder.submit({k: (m.ids, m.store) for k, m in misses.items()})
+            queued = self.encoder.submit(misses)
             pre.deferred_chunks = sum(not m.is_prefix for k, m in misses.items() if k in queued)
             logger.debug("%d chunk(s) left to background encoding", pre.deferred_chunks)
         return pre.deferred_chunks

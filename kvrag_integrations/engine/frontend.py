@@ -32,7 +32,7 @@ from kvrag_integrations.engine.prompting.segments import (
 from kvrag_integrations.engine.prompting.spans import ChunkIndex
 from kvrag_integrations.engine.request import Request, RequestOptions
 from kvrag_integrations.engine.results import GenerationResult
-from kvrag_integrations.engine.strategies import make_strategy
+from kvrag_integrations.engine.strategies import Strategy, make_strategy
 from kvrag_integrations.engine.streaming import AsyncGenerationStream, GenerationStream, Job
 from kvrag_integrations.engine.tool_answers import with_tool_calls
 from kvrag_integrations.engine.tools.plan import ToolPlan, plan_tools
@@ -64,6 +64,25 @@ class EngineFrontend(ABC):
     def check_options(self, options: RequestOptions) -> None:  # noqa: B027 (a hook)
         """Refuse, at the call, options this engine cannot honour
         (``UnsupportedInputError``); every engine takes the rest."""
+
+    def use_strategy(self, strategy: str) -> None:  # noqa: B027 (a hook)
+        """Note that requests will use ``strategy`` (an adapter made for it calls
+        this): an engine whose strategies read entries of their own stores those
+        too when it encodes chunks; none here."""
+
+    def blend_options(self, prompt: TokenizedPrompt) -> dict[str, Any]:
+        """Blend's options for ``prompt`` where a call names none: the model's
+        calibrated settings for its chunk length (``engine.blend_settings``); none
+        here (an engine whose blend runs elsewhere resolves them there)."""
+        return {}
+
+    def strategy_for(self, options: RequestOptions, prompt: TokenizedPrompt) -> Strategy:
+        """The request's strategy: ``"blend"`` by name takes ``blend_options`` for the
+        prompt, under the call's own options; any other as the options say."""
+        if options.strategy == "blend":
+            tuned = {**self.blend_options(prompt), **options.strategy_options}
+            return make_strategy("blend", **tuned)
+        return make_strategy(options.strategy, **options.strategy_options)
 
     def forced_lead(self, plan: ToolPlan) -> str:
         """The forced call's start the prompt ends with past its opening markup: the
@@ -105,7 +124,6 @@ class EngineFrontend(ABC):
         read, no forward. The prompt must fit with ``max_new_tokens`` to spare."""
         started = time.perf_counter()
         self.check_options(options)
-        strategy = make_strategy(options.strategy, **options.strategy_options)
         tools = plan_tools(
             self.tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls
         )
@@ -129,8 +147,17 @@ class EngineFrontend(ABC):
             raise ValueError("the prompt is empty")
         self.check_fits(prompt.num_tokens, "the prompt", options.sampling.max_new_tokens)
         on_miss = self.on_miss if options.on_miss is None else options.on_miss
+        strategy = self.strategy_for(options, prompt)
         return Request(
-            strategy, prompt, on_miss, started, options.sampling, options.logprobs, tools, lead
+            strategy,
+            prompt,
+            on_miss,
+            started,
+            options.sampling,
+            options.logprobs,
+            tools,
+            lead,
+            dict(options.strategy_options),
         )
 
     # ------------------------------------------------------------- prompts

@@ -141,8 +141,10 @@ def plan_prefill(engine: InProcessEngine, request: Request) -> Callable[[], Pref
     if not strat.uses_chunk_caches:
         sources.reason = f"strategy {strat.name!r} reads no chunk caches"
         return partial(_run, engine, strat, prompt, [], started, sources)
+    context = strat.chunk_context  # the entries it reads (None: the engine's)
     cached = cache_leading_text(prompt) if engine.cache_prefix else prompt
-    found, missing = engine.caches.lookup(cached)
+    cached = engine.caches.in_context(cached, context)
+    found, missing = engine.caches.lookup(cached, context)
     status, seen = engine.encoder.state(missing)
     misses = Misses(
         *(
@@ -169,11 +171,11 @@ def plan_prefill(engine: InProcessEngine, request: Request) -> Callable[[], Pref
         deferred = dict(sorted(missing.items(), key=lambda km: km[1].is_prefix))
         return partial(_run, engine, make_strategy("full"), prompt, [], started, sources, deferred)
     logger.debug("reuse: %s", plan.reason)
-    chunk_keys = {k for k in found if k not in missing} - _prefix_keys(engine, cached)
+    chunk_keys = {k for k in found if k not in missing} - _prefix_keys(engine, cached, context)
     sources.reused = len(chunk_keys)
     got, lazy, taken = gather_missing(engine, missing, seen, sources)
     found.update(got)
-    kvs = engine.caches.on_device(cached, found)
+    kvs = engine.caches.on_device(cached, found, context)
     _check_residency(engine, cached, kvs, sources)
     return partial(_run, engine, strat, cached, kvs, started, sources, None, lazy, taken)
 
@@ -190,7 +192,7 @@ def gather_missing(
     this request alone (prefilled) and the keys taken over from the queue.
     """
     ledger = engine.encoder
-    claim = ledger.claim({k: (m.ids, m.store) for k, m in missing.items()}, seen)
+    claim = ledger.claim(missing, seen)
     got: dict[str, ChunkKV] = {}
     stored: dict[str, ChunkKV] = {}
     todo: dict[str, Miss] = {}
@@ -239,14 +241,14 @@ def _encode_now(
 
 
 def _read(engine: InProcessEngine, missing: dict[str, Miss]) -> dict[str, ChunkKV]:
-    """Those of ``missing`` stored now (each from its own store)."""
-    fp = engine.fingerprint
-    read = {k: m.store.get(k, fp) for k, m in missing.items()}
+    """Those of ``missing`` stored now (each from its own store, in its own context)."""
+    caches = engine.caches
+    read = {k: m.store.get(k, caches.fingerprint_for(m.context)) for k, m in missing.items()}
     return {k: kv for k, kv in read.items() if kv is not None}
 
 
-def _prefix_keys(engine: InProcessEngine, prompt: TokenizedPrompt) -> set[str]:
-    return {engine.caches.piece_key(p) for p in prompt.cached_pieces if p.is_prefix}
+def _prefix_keys(engine: InProcessEngine, prompt: TokenizedPrompt, context: str | None) -> set[str]:
+    return {engine.caches.piece_key(p, context) for p in prompt.cached_pieces if p.is_prefix}
 
 
 def _computed_tokens(strat: Strategy, prompt: TokenizedPrompt) -> int:
@@ -285,7 +287,8 @@ def _run(
         forward_s = time.perf_counter() - begun
     _record(engine, strat, prompt, output, forward_s)
     elapsed = time.perf_counter() - started
-    pre = PrefillResult(output, prompt, strat.name, set(lazy), engine.fingerprint, elapsed)
+    fingerprint = engine.caches.fingerprint_for(strat.chunk_context)  # its entries' key space
+    pre = PrefillResult(output, prompt, strat.name, set(lazy), fingerprint, elapsed)
     pre.sources, pre.taken_keys = sources, set(taken)
     if misses is not None:  # uncached chunks: answered by plain prefill
         evicted = any(m.evicted for m in misses.values())

@@ -67,6 +67,11 @@ class RAGEngine(Protocol):
         """Start loading the caches of ``chunks`` ahead of the request; how many."""
         ...
 
+    def use_strategy(self, strategy: str) -> None:
+        """Note that requests will use ``strategy`` (``encode_chunks`` then stores the
+        entries it reads too)."""
+        ...
+
     def generate(
         self, question: str | None = None, chunks: Sequence[str] | None = None, **kwargs: Any
     ) -> GenerationResult:

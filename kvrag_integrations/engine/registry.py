@@ -34,6 +34,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from kvrag_integrations.chunk_kv import DEFAULT_PRECISION
+
 if TYPE_CHECKING:
     import torch
 
@@ -120,7 +122,7 @@ class SharedEngines:
         cache_precision: str | None,
         engine_class: type[EngineLoading] | None,
     ) -> Any:
-        precision = cache_precision or "float16"
+        precision = cache_precision or DEFAULT_PRECISION
         named = shared_key(model, device, dtype)[:3]
         for key, engine in self._engines.items():
             if key[:3] == named:  # the weights are loaded: one copy, one forward lock
@@ -240,7 +242,7 @@ class EngineLoading:
         trust_remote_code: bool = False,
         attn_implementation: str | None = None,
         share: bool | None = None,
-        cache_precision: str = "float16",
+        cache_precision: str = DEFAULT_PRECISION,
         reuse: bool = True,
         **engine_options: Any,
     ) -> E:

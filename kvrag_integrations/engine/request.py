@@ -149,7 +149,9 @@ class Request:
     """A checked request: its strategy, tokenized prompt, miss policy (the engine's
     where the call named none), start time, sampling and log-probabilities asked for;
     its tools (None: none) and, where a call is forced, the call's start the
-    prompt ends with past the opening markup (``lead``: ``EngineFrontend.forced_lead``)."""
+    prompt ends with past the opening markup (``lead``: ``EngineFrontend.forced_lead``);
+    ``strategy_options``: the call's own options of its strategy (an engine whose
+    strategy runs elsewhere passes them on, under that side's defaults)."""
 
     strategy: Strategy
     prompt: TokenizedPrompt
@@ -159,3 +161,4 @@ class Request:
     logprobs: int | None = None
     tools: ToolPlan | None = None
     lead: str = ""
+    strategy_options: dict[str, Any] = field(default_factory=dict)

@@ -7,14 +7,14 @@ engines fill as they come (``result.token_ids``), decoded with the family's
 markup tokens kept (``AnswerText``: Mistral's and Llama's markers, and
 Mistral's ``[ARGS]``, are special tokens that plain text skips) and cut at the
 request's stop strings. While it decodes, the family's detector
-(``ToolFamily.content_end``) says how much of it is text whatever follows;
-that much streams at once. At the end the family parses it
-(``ToolFamily.parse``) into the text, the calls and the invalid calls. The
-detector never releases text the parse would not keep, so the streamed pieces
-are a prefix of the final text and the rest follows: a stream equals ``generate``
-on the same seed, calls and their ids included (ids drawn from the prompt and
-answer). Under a forced choice nothing streams: the answer is the call, closed
-if ``max_new_tokens`` cut it short.
+(``ToolFamily.detector``, fed the growing text, reading each character once)
+says how much of it is text whatever follows; that much streams at once. At
+the end the family parses it (``ToolFamily.parse``) into the text, the calls
+and the invalid calls. The detector never releases text the parse would not
+keep, so the streamed pieces are a prefix of the final text and the rest
+follows: a stream equals ``generate`` on the same seed, calls and their ids
+included (ids drawn from the prompt and answer). Under a forced choice nothing
+streams: the answer is the call, closed if ``max_new_tokens`` cut it short.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvrag_integrations.engine.modeling.generate import TextDecoder
+from kvrag_integrations.engine.modeling.generate import StopScanner, TextDecoder
 from kvrag_integrations.engine.request import Request
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.engine.streaming import Job
@@ -69,16 +69,23 @@ def _marker_ids(tokenizer: Any, markers: Sequence[str]) -> dict[int, str]:
     return {vocab[m]: m for m in markers if m in vocab}
 
 
-def _stop_cut(text: str, stops: Sequence[str]) -> tuple[str, int]:
-    """``text`` up to its first stop string, and how long an end of it may begin one."""
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    if hits:
-        return text[: min(hits)], 0
-    hold = max((len(s) - 1 for s in stops if s), default=0)
-    for k in range(min(hold, len(text)), 0, -1):
-        if any(s.startswith(text[-k:]) for s in stops):
-            return text, k
-    return text, 0
+class _StopCut:
+    """A growing answer up to its first stop string, each text searched only where
+    it is new (and the tail before it that may hold a stop's start)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.scanner = StopScanner(stops)
+        self.searched = 0
+        self.at = -1  # where the first stop string starts, once found
+
+    def __call__(self, text: str) -> tuple[str, int]:
+        """``text`` up to its first stop string, and how long an end of it may begin one."""
+        if self.at < 0:
+            self.at = self.scanner.find(text, max(0, self.searched - self.scanner.hold))
+            self.searched = len(text)
+        if self.at >= 0:
+            return text[: self.at], 0
+        return text, len(text) - self.scanner.safe_len(text, 0)
 
 
 def with_tool_calls(job: Job, request: Request, result: GenerationResult, tokenizer: Any) -> Job:
@@ -86,21 +93,22 @@ def with_tool_calls(job: Job, request: Request, result: GenerationResult, tokeni
     plan = request.tools
     assert plan is not None
     family = plan.family
-    stops = request.sampling.stop
 
     def run(cancel: threading.Event) -> Iterator[str]:
         answer = AnswerText(tokenizer, family.answer_markup)
+        stop_cut = _StopCut(request.sampling.stop)
+        detector = family.detector(plan.names)  # both read each character once
         emitted = ""
         for _ in job(cancel):
             if plan.forced:
                 continue
-            text, held = _stop_cut(answer.text(result.token_ids), stops)
-            end = min(family.content_end(text, plan.names), len(text) - held)
+            text, held = stop_cut(answer.text(result.token_ids))
+            end = min(detector.end(text), len(text) - held)
             if end > len(emitted):
                 piece = text[len(emitted) : end]
                 emitted += piece
                 yield piece
-        text, _ = _stop_cut(answer.text(result.token_ids, final=True), stops)
+        text, _ = stop_cut(answer.text(result.token_ids, final=True))
         parsed = _read(plan, request, result, text)
         result.text = parsed.content
         result.tool_calls = list(parsed.calls)

@@ -100,7 +100,7 @@ class ChatKVRAG(BaseChatModel):
         self._request_defaults()  # a bad strategy, option or sampling value fails here
         if self.engine is not None:
             check_engine(self.engine)
-        self._ensure_engine()
+        self._ensure_engine().use_strategy(self.strategy)  # (ingestion stores what it reads)
         install_hooks()  # retrievers' and vector store searches' documents become known chunks
         return self
 

@@ -1,4 +1,4 @@
-"""Learning which nodes the current request retrieved, from LlamaIndex instrumentation.
+"""Noting which nodes the current request retrieved, from LlamaIndex instrumentation.
 
 A query engine pastes its nodes' LLM text into a flat prompt; to reuse their caches
 the LLM must know which spans of that prompt are chunks. Chunks this process

@@ -77,7 +77,7 @@ class KVRAGLLM(FunctionCallingLLM):
 
     Synthesizers paste retrieved node texts into the prompt; the engine finds them
     there (chunks this engine encoded, plus the nodes retrieved or synthesized in
-    this request, learned through LlamaIndex instrumentation) and reuses their KV
+    this request, seen through LlamaIndex instrumentation) and reuses their KV
     caches with the chosen strategy. Text a synthesizer altered is just prefilled.
     Messages keep their roles; the engine applies the model's chat template.
 
@@ -149,6 +149,7 @@ class KVRAGLLM(FunctionCallingLLM):
 
             engine = KVRAGEngine.shared(self.model, device=self.device, dtype=self.dtype)
         self._engine = check_engine(engine)
+        self._engine.use_strategy(self.strategy)  # (ingestion stores what it reads)
         install_hooks()
 
     @classmethod

@@ -52,7 +52,9 @@ class DiskIndexLog(IndexLog):
     takes exclusively. A reader keeps a byte offset; ``read_new`` is one
     ``os.stat`` when the file has not grown. A torn trailing record is left for
     the next call, a damaged one followed by valid records is skipped (logged).
-    A file replaced (compacted) or cut is read anew from its start.
+    A file replaced (compacted) or cut is read anew from its start. Anything but
+    a regular file there (a FIFO, a device) is refused at once, named
+    (``NotRegularFileError``), never opened blocking.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -81,8 +83,8 @@ class DiskIndexLog(IndexLog):
         while True:
             if self._write_fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-                self._write_fd = os.open(self.path, flags, 0o644)
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                self._write_fd, _ = _open(self.path, flags)
             _flock(self._write_fd, fcntl.LOCK_SH if fcntl else 0)
             if _same_file(self._write_fd, self.path):
                 return self._write_fd
@@ -113,7 +115,7 @@ class DiskIndexLog(IndexLog):
 
     def _read_to(self, size: int) -> list[tuple[str, np.ndarray]]:
         if self._read_fd is None:
-            self._read_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self._read_fd, _ = _open(self.path)
         out: list[tuple[str, np.ndarray]] = []
         buf, pos = b"", self._offset
         while pos < size:
@@ -136,7 +138,7 @@ class DiskIndexLog(IndexLog):
         wait, then follow the new file), write them to a temp file and rename it
         over the log."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd, _ = _open(self.path)
         except FileNotFoundError:
             return 0, 0
         try:
@@ -177,6 +179,14 @@ class DiskIndexLog(IndexLog):
                 if fd is not None:
                     os.close(fd)
             self._write_fd = self._read_fd = None
+
+
+def _open(path: Path, flags: int = os.O_RDONLY) -> tuple[int, int]:
+    """The log file opened only if it is a regular file (``store.files.open_regular``:
+    a FIFO there is refused at once, named, never opened blocking)."""
+    from kvrag_integrations.store.files import open_regular
+
+    return open_regular(path, flags, follow=True, what="index log")
 
 
 def _read_all(fd: int) -> bytes:

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import re
-import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from kvrag_integrations.store.codec import (
     read_metadata,
 )
 from kvrag_integrations.store.encoded import EncodedKVStore
+from kvrag_integrations.store.files import open_regular
 from kvrag_integrations.store.tempfiles import STALE_TEMP_S
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ class DiskKVStore(EncodedKVStore):
         except FileNotFoundError:
             return None
 
-    def _write_bytes(self, key: str, data: bytes) -> None:
+    def _write_bytes(self, key: str, data: bytes, ttl_s: float | None = None) -> None:
+        # (an expiry: entries' mtimes, swept by ``maintenance.expired_private``)
         path = self._path(key)
         fd: int | None = None
         tmp_path: str | None = None
@@ -209,23 +210,7 @@ class DiskKVStore(EncodedKVStore):
 
 
 def _open_regular(path: Path) -> tuple[int, int]:
-    """``(fd, size)`` of ``path`` if it is a regular file (not a symlink, FIFO or device).
-
-    O_NOFOLLOW refuses a symlink and O_NONBLOCK keeps a FIFO from blocking the
-    open; fstat then checks what was opened.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise
-    except OSError as exc:  # ELOOP for a symlink, and friends
-        raise CacheEntryError(f"cannot open the entry file safely: {exc}") from exc
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise CacheEntryError("the entry is not a regular file")
-    return fd, info.st_size
+    return open_regular(path)  # (an entry: no symlink either)
 
 
 def _read_exactly(fd: int, n: int) -> bytes:

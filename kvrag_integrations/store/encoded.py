@@ -16,6 +16,7 @@ from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import CacheEntryError
 from kvrag_integrations.store.base import KVStore
 from kvrag_integrations.store.codec import decode_entry, encode_entry, store_secret
+from kvrag_integrations.store.namespaces import expires_in
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +33,17 @@ class EncodedKVStore(KVStore):
         super().__init__()
         self._secret = store_secret(secret)
 
+    @property
+    def secret(self) -> bytes | None:
+        """The key entries (and records: ``store.records``) are signed with, if any."""
+        return self._secret
+
     def _get(self, key: str) -> ChunkKV | None:
         data = self._read_bytes(key)
         return None if data is None else decode_entry(data, self._secret)
 
     def _put(self, key: str, kv: ChunkKV) -> None:
-        self._write_bytes(key, encode_entry(kv, self._secret))
+        self._write_bytes(key, encode_entry(kv, self._secret), expires_in(kv.fingerprint))
 
     def verify(self) -> dict[str, int]:
         """Decode every entry, delete the unusable ones and count both kinds.
@@ -70,5 +76,7 @@ class EncodedKVStore(KVStore):
         """The entry's bytes, ``None`` if absent; raise ``CacheEntryError`` if unreadable."""
 
     @abstractmethod
-    def _write_bytes(self, key: str, data: bytes) -> None:
-        """Write the entry's bytes atomically (readers see all of them or none)."""
+    def _write_bytes(self, key: str, data: bytes, ttl_s: float | None = None) -> None:
+        """Write the entry's bytes atomically (readers see all of them or none);
+        ``ttl_s``: the entry expires that long after (a private one: a store that
+        keeps no expiry of its own sweeps them, ``maintenance.expired_private``)."""

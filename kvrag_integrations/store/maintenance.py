@@ -1,5 +1,8 @@
 """Looking after a store at rest: what it holds, which entries are corrupt, what to
-prune (``write_budget.StoreBudget`` keeps it within its budget as it is written)."""
+prune (``write_budget.StoreBudget`` keeps it within its budget as it is written),
+and which private entries have expired (one request's own, unused for
+``namespaces.PRIVATE_TTL_S``: every prune, and every budget measurement, takes
+them; Redis expires them itself)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvrag_integrations.store.base import EntryInfo, KVStore
+from kvrag_integrations.store.eviction import select_over_quota
+from kvrag_integrations.store.namespaces import (
+    PRIVATE,
+    PRIVATE_TTL_S,
+    base_fingerprint,
+    namespace_kind,
+    namespace_of,
+)
+from kvrag_integrations.store.quotas import Quotas
 
 
 @dataclass
@@ -77,29 +89,55 @@ def find_corrupt(store: KVStore, *, delete: bool = False) -> list[tuple[str, str
     return bad
 
 
+def expired_private(info: EntryInfo, now: float | None = None) -> bool:
+    """Whether ``info`` is a private entry unused for ``PRIVATE_TTL_S`` (an entry of
+    unknown age is not)."""
+    if namespace_kind(namespace_of(info.fingerprint)) != PRIVATE or info.updated_at is None:
+        return False
+    return (time.time() if now is None else now) - info.updated_at > PRIVATE_TTL_S
+
+
+def expire_private(store: KVStore, now: float | None = None) -> int:
+    """Delete the private entries of ``store`` unused for ``PRIVATE_TTL_S`` (a server
+    sweeps them at start: those of requests a killed server never answered); how
+    many went."""
+    expired = [info for info in store.entries() if expired_private(info, now)]
+    for info in expired:
+        store.delete(info.key)
+    return len(expired)
+
+
 def select_for_pruning(
     entries: Iterable[EntryInfo],
     *,
     max_bytes: int | None = None,
     older_than_s: float | None = None,
-    foreign_to: str | None = None,
+    foreign_to: str | Iterable[str] | None = None,
     now: float | None = None,
     reserved_bytes: int = 0,
+    quotas: Quotas | None = None,
 ) -> list[EntryInfo]:
-    """Choose the entries to evict; every criterion given adds to the choice.
+    """Choose the entries to evict; every criterion given adds to the choice, and
+    expired private entries (``expired_private``) are always chosen.
 
     Args:
         entries: the store's entries (``store.entries()``).
-        max_bytes: after the other criteria, evict the least recently updated
-            entries (unknown times first) until the rest, plus
-            ``reserved_bytes``, fit in this many bytes.
+        max_bytes: after the other criteria, evict until the rest, plus
+            ``reserved_bytes``, fit in this many bytes: the least recently used
+            of groups over their quota in that budget first (``quotas``: each
+            namespace its group, as a server's budget holds them), then the least
+            recently used of any (``eviction.select_over_quota``).
         older_than_s: evict entries last updated more than this many seconds ago
             (entries of unknown age are kept).
-        foreign_to: evict entries whose fingerprint is readable and differs from
-            this one (entries made by another model, tokenizer or dtype).
+        foreign_to: evict entries whose fingerprint is readable and, its namespace
+            aside, none of these (entries made by another model, tokenizer, dtype
+            or engine; a server's tenants' entries are its own).
         now: the current unix time (default: ``time.time()``).
         reserved_bytes: bytes the store holds besides its entries that cannot
             be evicted (live writers' temp files): they count toward ``max_bytes``.
+        quotas: the groups' quotas (default ``Quotas()``: the shared namespace and
+            each key's at most half of ``max_bytes``, salts and private entries in
+            their pools).
 
     Returns:
         The chosen entries, in the order they should be deleted.
@@ -115,27 +153,28 @@ def select_for_pruning(
         ['a']
         >>> [i.key for i in select_for_pruning(infos, max_bytes=25, reserved_bytes=10)]
         ['a', 'b']
+        >>> mine = [EntryInfo("d", 10, 100.0, "m+ns-key-" + "a" * 24)]
+        >>> [i.key for i in select_for_pruning(infos + mine, foreign_to="m")]  # a tenant's: kept
+        ['c']
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     if older_than_s is not None and older_than_s < 0:
         raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")
     now = time.time() if now is None else now
+    ours = {foreign_to} if isinstance(foreign_to, str) else set(foreign_to or ())
     keep: list[EntryInfo] = []
     chosen: list[EntryInfo] = []
     for info in entries:
-        foreign = foreign_to is not None and info.fingerprint not in (None, foreign_to)
+        known = info.fingerprint is not None
+        foreign = bool(ours) and known and base_fingerprint(info.fingerprint) not in ours
         old = older_than_s is not None and info.updated_at is not None
         old = old and now - info.updated_at > older_than_s
-        (chosen if foreign or old else keep).append(info)
+        (chosen if foreign or old or expired_private(info, now) else keep).append(info)
     if max_bytes is not None:
-        keep.sort(key=lambda i: (i.updated_at is not None, i.updated_at or 0.0))
-        total = reserved_bytes + sum(i.nbytes for i in keep)
-        for info in keep:
-            if total <= max_bytes:
-                break
-            chosen.append(info)
-            total -= info.nbytes
+        chosen += select_over_quota(
+            keep, quotas or Quotas(), max_bytes, reserved_bytes=reserved_bytes, now=now
+        )
     return chosen
 
 

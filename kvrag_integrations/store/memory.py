@@ -46,6 +46,7 @@ class MemoryKVStore(KVStore):
         self._written: dict[str, float] = {}  # key -> unix time of its last put
         self._nbytes = 0
         self._lock = threading.Lock()
+        self.records: dict[str, bytes] = {}  # ``store.records``: small named records
 
     @property
     def max_bytes(self) -> int | None:

@@ -58,7 +58,9 @@ class RedisKVStore(EncodedKVStore):
     larger than ``max_value_bytes`` is split: its parts are written first (under
     ``prefix + key + ":part:<sha256[:16]>:<i>"``), then a small manifest under the
     entry's key recording the part count, sizes and the sha256 of the whole; a
-    missing or damaged part makes the entry a miss. Every value gets the same TTL.
+    missing or damaged part makes the entry a miss. Every value gets the same TTL
+    (``ttl_s``; a private entry, one request's own, at most
+    ``namespaces.PRIVATE_TTL_S``).
     A write is one optimistic transaction (redis-py's ``client.transaction``: WATCH,
     then MULTI/EXEC, retried on conflict), so concurrent writers of one entry
     leave one whole entry and no orphaned parts; the parts of an overwritten
@@ -152,10 +154,6 @@ class RedisKVStore(EncodedKVStore):
     def _part_keys(self, rkey: str, digest: str, count: int) -> list[str]:
         return [f"{rkey}:part:{digest[:16]}:{i}" for i in range(count)]
 
-    @property
-    def _px(self) -> int | None:
-        return None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
-
     # ------------------------------------------------------- manifests
     def _manifest(self, blob: bytes, rkey: str) -> tuple[dict[str, Any], list[str]]:
         """Parse a manifest value; raise ``CacheEntryError`` if it is malformed."""
@@ -225,9 +223,11 @@ class RedisKVStore(EncodedKVStore):
             raise CacheEntryError("split entry's parts do not match its manifest checksum")
         return blob
 
-    def _write_bytes(self, key: str, blob: bytes) -> None:
+    def _write_bytes(self, key: str, blob: bytes, ttl_s: float | None = None) -> None:
         rkey = self._rkey(key)
         attempts = 0
+        ttls = [t for t in (self.ttl_s, ttl_s) if t is not None]
+        px = max(1, round(min(ttls) * 1000)) if ttls else None  # (Redis expires it)
 
         def write(pipe: Any) -> None:
             """One optimistic transaction (``client.transaction`` watches ``rkey`` and
@@ -243,16 +243,16 @@ class RedisKVStore(EncodedKVStore):
                 raise StoreWriteError(
                     f"cannot write cache entry {key[:16]}: writers kept conflicting"
                 )
-            self._queue_write(pipe, rkey, blob)
+            self._queue_write(pipe, rkey, blob, px)
 
         try:
             self.client.transaction(write, rkey)
         except (redis_lib.RedisError, *self._down) as exc:  # a cluster's are not all RedisError
             raise StoreWriteError(f"cannot write cache entry {key[:16]} to redis: {exc}") from exc
 
-    def _queue_write(self, pipe: Any, rkey: str, blob: bytes) -> None:
-        """Queue parts first, then the manifest (or the blob) on a watching ``pipe``."""
-        px = self._px
+    def _queue_write(self, pipe: Any, rkey: str, blob: bytes, px: int | None) -> None:
+        """Queue parts first, then the manifest (or the blob) on a watching ``pipe``
+        (each with the expiry ``px``, in ms)."""
         old_parts = self._old_parts(pipe, rkey)  # read before MULTI, under the watch
         pipe.multi()
         new_parts: list[str] = []

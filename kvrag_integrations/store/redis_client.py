@@ -244,3 +244,38 @@ def primaries_memory(client: Any) -> dict[str, dict[str, int]]:
 
 
 _MEMORY_FIELDS = ("maxmemory", "used_memory", "total_system_memory")
+
+
+EVICTION_POLICY = "noeviction"
+"""The ``maxmemory-policy`` a server's store needs: the store's budget evicts (by
+namespace and quota); a Redis that evicts by itself past ``maxmemory`` drops
+entries, parts of entries and the index log past every quota."""
+
+
+def check_eviction_policy(client: Any) -> None:
+    """Refuse a Redis whose primaries evict keys by themselves.
+
+    Raises:
+        StoreURLError: a primary's ``maxmemory-policy`` is not ``noeviction``, named
+            (a primary that does not answer now is logged and left unchecked: the
+            store was reached at start; a replica must start while a node is slow).
+    """
+    found = {}
+    try:
+        if not is_cluster(client):
+            found["redis"] = str(client.info("memory").get("maxmemory_policy", ""))
+        else:
+            for node in client.get_primaries():
+                info = client.info("memory", target_nodes=node)
+                found[node.name] = str(info.get("maxmemory_policy", ""))
+    except down_errors() as exc:
+        logger.warning("kvrag: Redis's maxmemory-policy not read (%s): not checked", exc)
+    evicting = {name: policy for name, policy in found.items() if policy != EVICTION_POLICY}
+    if evicting:
+        said = ", ".join(f"{name}: {policy}" for name, policy in sorted(evicting.items()))
+        raise StoreURLError(
+            f"the store's Redis evicts keys by itself ({said}): it would drop entries, "
+            f"their parts and the index log past every quota; set maxmemory-policy "
+            f"{EVICTION_POLICY} (CONFIG SET maxmemory-policy {EVICTION_POLICY}): the "
+            "server's budget evicts"
+        )

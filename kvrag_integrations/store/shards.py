@@ -10,17 +10,20 @@ the index log). ``write_budget.StoreBudget`` therefore keeps each primary (a
 shard; one server is one shard) within two bounds:
 
 - its share of the store's budget, for the store's entries: the budget split
-  in proportion to the primaries' capacities;
+  in proportion to the primaries' capacities, and never more than its
+  capacity (a ``--max-store-bytes`` past what the primaries can hold bounds
+  nothing more);
 - its capacity (``sizing.redis_capacities``: ``REDIS_FRACTION`` of its
   ``maxmemory``), for all it holds (``used_memory``).
 
 Both are measured with a listing of the store (and ``INFO memory``), then
 counted forward from each write. A write that would take its shard past either
-evicts entries of that shard first, chosen by the store's own rule
-(``quotas.select_for_budget``) on the shard's entries, each weighed as the
-shard's share of the store (``max_bytes / share``), so a group's quota holds
-on each shard as on the whole: a tenant that fills one primary gives way there
-first. A write the shard cannot hold even then is refused (not stored).
+evicts entries of that shard first (``eviction.select_on_shard``): the
+writer's own there, then there the least recently used of groups out of their
+quota over the whole store. A group within its quota keeps its entries on
+every shard, however the hashing spread them (one that hashing put mostly on
+one primary is not "over" there). A write the shard cannot hold even then is
+refused (not stored).
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from kvrag_integrations.store.base import EntryInfo
-from kvrag_integrations.store.quotas import Quotas, select_for_budget
+from kvrag_integrations.store.eviction import select_on_shard
+from kvrag_integrations.store.quotas import Quotas
 
-# A shard that could not make room is not measured again for this long: every
-# write to it would otherwise list the whole store.
-REMEASURE_S = 5.0
+# How long a measurement decides refusals (the budget's, and a shard's that could not
+# make room): every refused write would otherwise list the whole store; others'
+# deletes (a private entry dropped after its request) are seen this late.
+REMEASURE_S = 1.0
 
 
 @dataclass
@@ -110,7 +115,7 @@ class Shards:
                 by_shard[name].append(info)
         before, self.shards = self.shards, {}
         for name, capacity in capacities.items():
-            share = int(self.max_bytes * capacity / total)
+            share = min(int(self.max_bytes * capacity / total), capacity)
             ours = sum(info.nbytes for info in by_shard.get(name, []))
             other = max(0, memory[name]["used_memory"] - ours - leaving[name])
             refused = before[name].refused_at if name in before else float("-inf")
@@ -128,32 +133,31 @@ class Shards:
         low_water: float,
     ) -> list[EntryInfo] | None:
         """The entries of the shard of ``key`` to evict before a write of ``nbytes``
-        there (by group ``writing``), after ``measure``; None: even then it would not
-        fit (the write is refused, nothing of this shard evicted)."""
+        there (by group ``writing``), after ``measure`` (``by_shard``: every shard's
+        entries kept, whose groups' quotas hold over the whole store); None: even
+        then it would not fit (the write is refused, nothing of this shard evicted)."""
         name = self.store.shard_of(key)
         shard = self.shards.get(name)
         if shard is None:  # a primary the listing did not see (a failover meanwhile)
             return None
         if shard.fits(nbytes):
             return []
-        scale = self.max_bytes / max(1, shard.share)
-        weighed = {info.key: info for info in by_shard.get(name, [])}
-        chosen = select_for_budget(
-            [replace(info, nbytes=round(info.nbytes * scale)) for info in weighed.values()],
+        held = shard.reserved + shard.entries + nbytes
+        here = {info.key for info in by_shard.get(name, [])}
+        evicted = select_on_shard(
+            [info for infos in by_shard.values() for info in infos],
             quotas,
             self.max_bytes,
             writing=writing,
-            nbytes=round(nbytes * scale),
-            reserved_bytes=round(shard.reserved * scale),
-            low_water=low_water,
-        ).evict
-        evicted = [weighed[info.key] for info in chosen]
-        freed = sum(info.nbytes for info in evicted)
-        shard.entries -= freed
-        if not shard.fits(nbytes):
-            shard.entries += freed
+            nbytes=nbytes,
+            where=lambda info: info.key in here,
+            need=held - shard.share,
+            want=held - int(shard.share * low_water),
+        )
+        if evicted is None:
             shard.refused_at = time.monotonic()
             return None
+        shard.entries -= sum(info.nbytes for info in evicted)
         return evicted
 
     def refused_lately(self, key: str) -> bool:

@@ -11,8 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrag_integrations.store.base import EntryInfo, KVStore
-from kvrag_integrations.store.quotas import UNREADABLE, Quotas, select_for_budget
-from kvrag_integrations.store.shards import Shards
+from kvrag_integrations.store.eviction import select_for_budget
+from kvrag_integrations.store.maintenance import expired_private
+from kvrag_integrations.store.namespaces import namespace_kind
+from kvrag_integrations.store.quotas import UNREADABLE, Quotas
+from kvrag_integrations.store.shards import REMEASURE_S, Shards
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +26,10 @@ class StoreBudget:
 
     Before a write that would take its group past its quota, its pool past the
     pool's, or the store past its budget, entries are evicted as
-    ``quotas.select_for_budget`` chooses: the writer's group's own least
+    ``eviction.select_for_budget`` chooses: the writer's group's own least
     recently used ones first, then only those of groups over their quota. A
     write that cannot fit without evicting a group within its quota is refused
-    (``admit`` is False: the entry is not stored). ``EntryInfo.updated_at``
+    (``allow_write`` is False: the entry is not stored). ``EntryInfo.updated_at``
     orders use (``touch`` marks one). The store's size counts its entries, live
     writers' temp files and the content index's log (``index_log``), which is
     compacted after each eviction (the records of evicted entries go). The
@@ -47,20 +50,18 @@ class StoreBudget:
         max_bytes: its budget (``budget.store_budget`` sizes one from the store).
         low_water: the share of a bound an eviction frees down to.
         quotas: the groups' quotas (default: none but the budget; a server's
-            connector gives each group a share).
+            connector gives each group a share), or what returns the current ones
+            (read at each write: a key file edited while the server runs).
         index_log: the content index's log beside the store (``matching``), or None.
         clock: seconds, for how old a measurement is (``time.monotonic``).
 
     Examples:
         >>> from kvrag_integrations.store.memory import MemoryKVStore
-        >>> StoreBudget(MemoryKVStore(), max_bytes=100).admit(200)
+        >>> StoreBudget(MemoryKVStore(), max_bytes=100).allow_write(200)
         False
     """
 
-    # How long a measurement decides refusals: others' deletes (a private entry
-    # dropped after its request) are seen this late; a flood of refused writes
-    # lists the store at most once per this.
-    REMEASURE_S = 1.0
+    REMEASURE_S = REMEASURE_S  # (``shards.REMEASURE_S``: tests may set their own)
 
     def __init__(
         self,
@@ -68,7 +69,7 @@ class StoreBudget:
         max_bytes: int,
         low_water: float = 0.8,
         *,
-        quotas: Quotas | None = None,
+        quotas: Quotas | Callable[[], Quotas] | None = None,
         index_log: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -77,11 +78,15 @@ class StoreBudget:
         self.store = store
         self.max_bytes = max_bytes
         self.low_water = low_water
-        self.quotas = quotas if quotas is not None else Quotas.budget_only()
+        fixed = quotas if quotas is not None else Quotas.budget_only()
+        self._current_quotas = quotas if callable(quotas) else (lambda: fixed)
+        self.quotas = self._current_quotas()
         self.index_log = index_log
         self.clock = clock
         self.evicted = 0
         self.refused = 0
+        self.refusals: dict[str, int] = {}  # refused writes by the writer's kind of namespace
+        self._taken: tuple[dict[str, int], int] = ({}, 0)  # the counts ``take_counts`` gave
         self.shards = Shards.of(store, max_bytes)
         self._known: int | None = None
         self._measured_at = float("-inf")  # by ``clock``
@@ -91,15 +96,18 @@ class StoreBudget:
         self._next_idle = float("-inf")  # when the next one turns idle (unix time)
         self._lock = threading.Lock()
 
-    def admit(self, nbytes: int, fingerprint: str | None = "", key: str | None = None) -> bool:
+    def allow_write(
+        self, nbytes: int, fingerprint: str | None = "", key: str | None = None
+    ) -> bool:
         """Make room for a write of ``nbytes`` by the entry of ``fingerprint`` (its
         group is charged) under cache key ``key`` (on Redis, its primary must hold
         it too); False: refused (larger than its quota, no room without evicting
         a group within its quota, or its primary full)."""
+        self.quotas = self._current_quotas()
         group = self.quotas.group(fingerprint)
         pool = self.quotas.pool(group)
         if nbytes > self.quotas.limit(group, self.max_bytes):
-            self.refused += 1
+            self._refuse(group)
             return False
         sharded = self.shards is not None and key is not None
         with self._lock:
@@ -108,7 +116,7 @@ class StoreBudget:
                 (shard_full or self._near(group, pool, nbytes))
                 and not self._make_room(group, nbytes, key if sharded else None)
             ):
-                self.refused += 1
+                self._refuse(group)
                 return False
             assert self._known is not None
             self._known += nbytes
@@ -116,6 +124,21 @@ class StoreBudget:
             if sharded:
                 self.shards.add(key, nbytes)
             return True
+
+    def take_counts(self) -> tuple[dict[str, int], int]:
+        """Refused writes (by the writer's kind of namespace) and evictions since the
+        last call."""
+        with self._lock:
+            refusals, evicted = dict(self.refusals), self.evicted
+        before, before_evicted = self._taken
+        self._taken = (refusals, evicted)
+        since = {kind: n - before.get(kind, 0) for kind, n in refusals.items()}
+        return since, evicted - before_evicted
+
+    def _refuse(self, group: str) -> None:
+        self.refused += 1
+        kind = namespace_kind(group) if group != UNREADABLE else None
+        self.refusals[kind or "unreadable"] = self.refusals.get(kind or "unreadable", 0) + 1
 
     def _near(self, group: str, pool: str | None, nbytes: int) -> bool:
         """Whether a write of ``nbytes`` in ``group`` may pass a bound."""
@@ -146,10 +169,8 @@ class StoreBudget:
         quotas, limit = self.quotas, self.max_bytes
 
         def out(name: str, held: int) -> bool:
-            if name in (group, UNREADABLE) or held > quotas.limit(name, limit):
-                return True
-            of = quotas.pool(name)
-            return of is not None and self._pools.get(of, 0) > quotas.pool_limit(of, limit)
+            pool_held = self._pools.get(quotas.pool(name) or "", 0)
+            return name in (group, UNREADABLE) or quotas.over(name, held, pool_held, limit)
 
         free = {name: held for name, held in self._groups.items() if out(name, held)}
         if self._known + nbytes - sum(free.values()) - sum(self._idle.values()) > limit:
@@ -186,7 +207,9 @@ class StoreBudget:
         if self._surely_refused(group, nbytes):
             return False
         live = self.store.temp_files()
-        entries = list(self.store.entries())
+        entries, expired = [], []  # (private entries past their time go at every measurement)
+        for info in self.store.entries():
+            (expired if expired_private(info) else entries).append(info)
         reserved = sum(t.nbytes for t in live) + self._log_bytes()
         selection = select_for_budget(
             entries,
@@ -197,10 +220,10 @@ class StoreBudget:
             reserved_bytes=reserved,
             low_water=self.low_water,
         )
-        chosen = list(selection.evict)
-        room = selection.admitted
+        chosen = expired + selection.evict
+        room = selection.fits
         if self.shards is not None:
-            by_shard = self.shards.measure(entries, {info.key for info in chosen})
+            by_shard = self.shards.measure(entries + expired, {info.key for info in chosen})
             if key is not None and room:
                 there = self.shards.select(
                     by_shard,

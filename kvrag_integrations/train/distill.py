@@ -1,4 +1,4 @@
-"""Self-distillation: the student under TurboRAG's mask learns the base model's full prefill.
+"""Self-distillation: the student under TurboRAG's mask is trained toward full prefill.
 
 A training sample is a prompt exactly as the engine builds it (chat template,
 instruction, chunks, question) followed by an answer. The teacher is the base

@@ -15,9 +15,10 @@ Split by the process each part runs in:
   LangChain and LlamaIndex classes take it as they take ``KVRAGEngine``.
 
 What all three read stays here: ``config`` (the settings and every default),
-``params`` (what a request tells the connector), ``trust`` (tenants, roles,
-admissions), ``keys`` (the operator's key file), ``identity`` (what entries are
-keyed by) and ``launch`` (the one recipe vLLM is started by).
+``params`` (what a request tells the connector), ``trust`` (tenants, salts,
+roles), ``admission`` (each request's admission, made where it enters),
+``keys`` (the operator's key file), ``identity`` (what entries are keyed by)
+and ``launch`` (the one recipe vLLM is started by).
 
 Importing this package does not import vLLM: a client of a server needs only
 the package and the model's tokenizer.

@@ -16,13 +16,18 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvrag_integrations.chunk_kv import check_precision
+from kvrag_integrations.chunk_kv import DEFAULT_PRECISION, check_precision
 from kvrag_integrations.errors import StoreURLError
+from kvrag_integrations.store.quotas import DEFAULT_SHARE
 from kvrag_integrations.vllm.admission import ClientPolicy
 from kvrag_integrations.vllm.trust import KeyLookup, check_role, server_secret
 
 CONNECTOR_CLASS = "KVRAGConnector"
 CONNECTOR_MODULE = "kvrag_integrations.vllm.connector.kv_connector"
+# vLLM's ``worker_extension_cls`` for blend, and the method vLLM's ``collective_rpc``
+# calls on every worker at start: it hands the model to the connector.
+WORKER_EXTENSION = "kvrag_integrations.vllm.connector.worker_extension.BlendWorkerExtension"
+ATTACH_METHOD = "kvrag_attach_model"
 # A worker's own memory tier in front of the shared store: hot entries are read
 # from memory. Bounded, since vLLM sizes its KV cache from the memory left.
 DEFAULT_MEMORY_TIER_BYTES = 512 * 2**20
@@ -43,8 +48,13 @@ AUTO_BUDGET = "auto"
 # What says "no budget": named, so that no default and no 0 means unbounded.
 NO_BUDGET = "none"
 # The share of the budget each group of namespaces may hold unless its keys say
-# otherwise (``store.quotas``).
-DEFAULT_NAMESPACE_SHARE = 0.5
+# otherwise: the quotas' own default (``store.quotas.DEFAULT_SHARE``).
+DEFAULT_NAMESPACE_SHARE = DEFAULT_SHARE
+# What the server's reuse does for requests that name none: "turbo" (stored caches
+# as they are) or "blend" (CacheBlend's recompute over them, in the workers; a
+# request may then ask for turbo too). A turbo server refuses blend.
+REUSE_MODES = ("turbo", "blend")
+DEFAULT_REUSE = "turbo"
 
 
 def parse_store_bytes(value: Any) -> int | str:
@@ -119,10 +129,14 @@ class ConnectorSettings:
             admin key of the key file). Its counters move with every caller's
             requests (prefix-cache queries and hits among them): whoever reads
             them watches the server's aggregate traffic.
+        reuse: ``"turbo"`` (default) or ``"blend"``: what the server's reuse does
+            for requests that name none; ``"blend"`` (the workers recompute
+            part of every load with vLLM's model, ``connector.blend``) lets a
+            request ask for turbo too, a turbo server refuses blend.
     """
 
     store: str
-    cache_precision: str = "float16"
+    cache_precision: str = DEFAULT_PRECISION
     memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES
     trusted_clients: bool = False
     client_role: str = DEFAULT_CLIENT_ROLE
@@ -134,6 +148,7 @@ class ConnectorSettings:
     learn_min_tokens: int = DEFAULT_LEARN_MIN_TOKENS
     share_anonymous: bool = False
     open_metrics: bool = False
+    reuse: str = DEFAULT_REUSE
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store.strip():
@@ -161,6 +176,8 @@ class ConnectorSettings:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
         check_role(self.client_role)
+        if self.reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
 
     def policy(self, keys: KeyLookup | None = None) -> ClientPolicy:
         """The rules the server's door admits requests by, and the connector checks

@@ -18,34 +18,17 @@ spaces apart keeps every comparison between them honest.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvrag_integrations.chunk_kv import FORMAT_VERSION, storage_fingerprint
+from kvrag_integrations.engine.modeling.checkpoint_identity import folder_fingerprint, local_folder
 
 if TYPE_CHECKING:
     from kvrag_integrations.engine.modeling.layout import ModelLayout
 
 ENGINE_TAG = "vllm"
-
-# Files that make the tokenizer (their bytes are hashed).
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-# Config fields that say where or when a checkpoint was written, not what it is.
-_VOLATILE = ("_name_or_path", "_model_name_or_path", "transformers_version", "_commit_hash")
-_SAMPLES = 64  # strided samples per weight file
-_SAMPLE_BYTES = 256
 
 
 def model_folder(model: str, revision: str | None = None) -> Path:
@@ -55,29 +38,20 @@ def model_folder(model: str, revision: str | None = None) -> Path:
     Raises:
         FileNotFoundError: neither (the connector cannot key entries by the weights).
     """
-    path = Path(model)
-    if path.is_dir():
-        return path
     try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
-    except Exception as exc:
+        return local_folder(model, revision)
+    except FileNotFoundError as exc:
         raise FileNotFoundError(
-            f"the KV connector keys entries by the checkpoint's files, and found none for "
-            f"{model!r} (a local directory, or a Hugging Face id in the local cache): {exc}"
+            f"the KV connector keys entries by the checkpoint's files: {exc}"
         ) from exc
 
 
 def weights_fingerprint(
     folder: str | os.PathLike[str], dtype: str, extra: str = "", *, weights: bool = True
 ) -> str:
-    """A short hash of a checkpoint folder's config, tokenizer and weights, and ``dtype``.
-
-    Weight files are identified by name, size and ``_SAMPLES`` strided samples
-    of their bytes (cheap for any size: a few reads per file). ``weights=False``
-    for weights not read from the folder (vLLM's ``load_format="dummy"``:
-    random ones, which ``extra`` must then name).
+    """A short hash of a checkpoint folder's config, tokenizer and weights
+    (``checkpoint_identity.folder_fingerprint``), the compute ``dtype`` and the cache
+    format version.
 
     Examples:
         >>> import tempfile, pathlib
@@ -85,39 +59,12 @@ def weights_fingerprint(
         ...     _ = (pathlib.Path(tmp) / "config.json").write_text('{"model_type": "llama"}')
         ...     _ = (pathlib.Path(tmp) / "model.safetensors").write_bytes(bytes(range(256)) * 8)
         ...     a = weights_fingerprint(tmp, "float32")
-        ...     _ = (pathlib.Path(tmp) / "model.safetensors").write_bytes(bytes(2048))
-        ...     a != weights_fingerprint(tmp, "float32")
+        ...     a != weights_fingerprint(tmp, "bfloat16")
         True
     """
-    root = Path(folder)
-    digest = hashlib.sha256(ENGINE_TAG.encode())
-    config = json.loads((root / "config.json").read_text())
-    for volatile in _VOLATILE:
-        config.pop(volatile, None)
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for name in _TOKENIZER_FILES:
-        path = root / name
-        if path.is_file():
-            digest.update(f"|{name}|".encode() + hashlib.sha256(path.read_bytes()).digest())
-    files = sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
-    if weights and not files:
-        raise FileNotFoundError(f"no weight files in {root}")
-    for path in files if weights else ():
-        digest.update(f"|{path.name}|{path.stat().st_size}|".encode())
-        digest.update(_sample(path))
-    digest.update(f"|{dtype}|{FORMAT_VERSION}|{extra}".encode())
-    return digest.hexdigest()[:32]
-
-
-def _sample(path: Path) -> bytes:
-    size = path.stat().st_size
-    step = max(1, size // _SAMPLES)
-    out = bytearray()
-    with path.open("rb") as handle:
-        for offset in range(0, size, step)[:_SAMPLES]:
-            handle.seek(offset)
-            out += handle.read(_SAMPLE_BYTES)
-    return bytes(out)
+    return folder_fingerprint(
+        folder, ENGINE_TAG, f"{dtype}|{FORMAT_VERSION}|{extra}", weights=weights
+    )
 
 
 def connector_fingerprint(

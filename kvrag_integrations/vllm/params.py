@@ -1,4 +1,4 @@
-"""What a request tells the KV connector, and what the connector tells back.
+"""What a request tells the KV connector (what it tells back: ``reply``).
 
 Neither vLLM nor torch is imported here: ``VLLMEngine`` (which may be a client
 on another machine) writes these, and the connector's scheduler and worker
@@ -19,21 +19,28 @@ API: the request body's ``kv_transfer_params``):
 - ``save``: pieces of this prompt to store as entries (chunk encoding):
   ``[start, rows, []]``, the entry's ids ``prompt[start : start + rows]``.
 - ``overwrite``: store even where an entry exists (the admin role only).
-- ``deferred``: the ``save`` may be stored after the answer is returned (a prompt
-  the server learns: nothing waits for it; an encode request's entry is stored
+- ``deferred``: the ``save`` may be stored after the answer is returned (a deferred
+  save: nothing waits for it, as for a prompt the server learns; an encode request's entry is stored
   before its answer).
 - ``private``: the ``save`` goes to the request's private namespace
-  (``admission.Admission.private``) and is not announced in the content index:
+  (``admission.Admission.own``) and is not announced in the content index:
   an entry of a text an anonymous request brought (glue, a prefix), stored under
   ids with a secret suffix, read by that request alone and dropped after it.
   ``private_load``: the load pieces (by index) read from there.
 - ``detect``: false opts a plain client's request out of the server's detection
   of stored passages (``server.reuse_hook``): it then runs exactly, as plain vLLM.
-- ``tenant``: the client's own tenant salt (the namespace it reuses and stores
-  in; see ``trust``).
+- ``tenant``: the client's own tenant salt (``TransferParams.tenant_salt``: the
+  namespace it reuses and stores in; see ``trust``).
+- ``reuse``: ``"turbo"`` or ``"blend"``: what the load run's reuse does (absent:
+  the server's ``reuse``); a turbo server refuses blend.
+- ``blend``: a blend load's own part (``BlendRequest``: the call's own options
+  over the model's calibrated settings, and a nonce: the request's salt is then
+  its own, so the blocks its recompute wrote are never another request's).
 - ``admission``: what the server decided for the request where it entered
   (``admission.Admission``, signed): the server's own; a client that sends one
-  is refused.
+  is refused, as one that sends ``private`` or ``private_load``
+  (``SERVER_FIELDS``: only the server's hook stores or reads a request's texts
+  in its private namespace).
 
 Which of these a request may use, and under which ``cache_salt``, is its
 admission's to say: a request the connector does not admit loads and stores
@@ -42,19 +49,19 @@ nothing and is computed exactly by vLLM.
 The key of an entry is ``cache_key(fingerprint, ids)``, the fingerprint the
 connector's (the weights it serves, the storage precision): the client never
 needs it. The connector answers in the output's ``kv_transfer_params`` under
-the same key (``Reply``).
+the same key (``reply.Reply``).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import wraps
 from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
-from kvrag_integrations.vllm.trust import Tenant, request_salt
+from kvrag_integrations.vllm.trust import MAX_SALT_CHARS, Tenant, ids_digest, request_salt
 
 PARAMS_KEY = "kvrag"
 """The key of our part of a request's ``kv_transfer_params`` (and of the reply)."""
@@ -62,7 +69,10 @@ PARAMS_KEY = "kvrag"
 MAX_PIECES = 1024  # more pieces than any prompt has: a bound on what a request may ask
 MAX_EDGE = 8192  # a piece's tail or lead: at most an entry's length
 MAX_EDGE_IDS = 65536  # the ids of every piece's lead and tail together (a request's size)
+BLEND_OPTIONS = ("recompute_ratio", "selection", "recompute_first")
 _FIELDS = {
+    "reuse",
+    "blend",
     "load",
     "save",
     "overwrite",
@@ -75,6 +85,10 @@ _FIELDS = {
 }
 
 
+SERVER_FIELDS = ("admission", "private", "private_load")
+"""Fields only the server writes; a client's are refused where it enters."""
+
+
 @dataclass(frozen=True)
 class PieceSpec:
     """One stored piece of a prompt: ``rows`` prompt tokens from ``start``, read from
@@ -84,7 +98,7 @@ class PieceSpec:
     rows: int
     tail: tuple[int, ...] = ()
     lead: tuple[int, ...] = ()  # the entry's ids before the piece (read from inside it)
-    private: bool = False  # its entry is in the request's own namespace (``private_load``)
+    own: bool = False  # its entry is in the request's private namespace (``private_load``)
 
     @property
     def end(self) -> int:
@@ -98,6 +112,42 @@ class PieceSpec:
         if self.lead:
             return [self.start, self.rows, list(self.tail), list(self.lead)]
         return [self.start, self.rows, list(self.tail)]
+
+
+@dataclass(frozen=True)
+class BlendRequest:
+    """A blend load's own part: the call's options over the model's calibrated
+    settings, and the nonce that makes its salt its own.
+
+    Examples:
+        >>> b = BlendRequest(options={"recompute_ratio": 1.0}, nonce="n")
+        >>> BlendRequest.from_json(b.as_json()) == b
+        True
+    """
+
+    options: Mapping[str, Any] = field(default_factory=dict)
+    nonce: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nonce": self.nonce}
+        if self.options:
+            out["options"] = dict(sorted(self.options.items()))
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Any) -> BlendRequest:
+        """Raises ``TransferParamsError`` if malformed."""
+        if not isinstance(raw, Mapping) or set(raw) - {"options", "nonce"}:
+            raise TransferParamsError("blend must be an object of options and nonce")
+        options = raw.get("options", {})
+        if not isinstance(options, Mapping) or set(options) - set(BLEND_OPTIONS):
+            raise TransferParamsError(f"blend options are some of {BLEND_OPTIONS}")
+        if not all(isinstance(v, (int, float, str)) for v in options.values()):
+            raise TransferParamsError("blend options are numbers or names")
+        nonce = raw.get("nonce", "")
+        if not isinstance(nonce, str) or len(nonce) > 64:
+            raise TransferParamsError("a blend nonce is a string of at most 64 characters")
+        return cls(dict(options), nonce)
 
 
 @dataclass(frozen=True)
@@ -120,16 +170,24 @@ and follow each other; piece 0 starts at 1, not 0
     load: tuple[PieceSpec, ...] = ()
     save: tuple[PieceSpec, ...] = ()
     overwrite: bool = False
-    tenant: str = ""
+    tenant_salt: str = ""
     admission: Mapping[str, Any] | None = None
     detect: bool = True
     deferred: bool = False
-    private: bool = False
+    own_save: bool = False  # (``private``: the save goes to the private namespace)
+    reuse: str = ""  # "turbo" or "blend" ("": the server's)
+    blend: BlendRequest | None = None
 
     @property
     def load_end(self) -> int:
         """The prompt position the load run ends at (0: nothing to load)."""
         return self.load[-1].end if self.load else 0
+
+    @property
+    def tenant(self) -> str:
+        """Deprecated: ``tenant_salt``."""
+        warnings.warn(_TENANT_RENAMED, DeprecationWarning, stacklevel=2)
+        return self.tenant_salt
 
     def as_request(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` of a request carrying these."""
@@ -140,17 +198,21 @@ and follow each other; piece 0 starts at 1, not 0
             ours["save"] = [p.as_list() for p in self.save]
         if self.overwrite:
             ours["overwrite"] = True
-        if self.tenant:
-            ours["tenant"] = self.tenant
+        if self.tenant_salt:
+            ours["tenant"] = self.tenant_salt
         if self.admission is not None:
             ours["admission"] = dict(self.admission)
         if not self.detect:
             ours["detect"] = False
         if self.deferred:
             ours["deferred"] = True
-        if self.private:
+        if self.own_save:
             ours["private"] = True
-        own = [i for i, piece in enumerate(self.load) if piece.private]
+        if self.reuse:
+            ours["reuse"] = self.reuse
+        if self.blend is not None:
+            ours["blend"] = self.blend.as_json()
+        own = [i for i, piece in enumerate(self.load) if piece.own]
         if own:
             ours["private_load"] = own
         return {PARAMS_KEY: ours}
@@ -161,12 +223,16 @@ and follow each other; piece 0 starts at 1, not 0
         read from inside an entry as ``[start, rows, tail digest, lead digest]``
         (its entry's ids can be thousands)."""
         layout = [p.as_list() if not p.lead else _digested(p) for p in self.load]
-        return [[*p, "private"] if piece.private else p for p, piece in zip(layout, self.load)]
+        layout = [[*p, "private"] if piece.own else p for p, piece in zip(layout, self.load)]
+        if self.reuse == "blend":  # a blend load's blocks are its own (its nonce)
+            blend = self.blend.as_json() if self.blend is not None else {}
+            layout.append(["reuse", self.reuse, sorted(blend.items())])
+        return layout
 
     def salt(self) -> str | None:
         """The ``cache_salt`` these params need, for a client's own tenant
         (``trust.request_salt``; a server sets the salt of its admission)."""
-        return request_salt(Tenant.of_salt(self.tenant), self.layout)
+        return request_salt(Tenant.of_salt(self.tenant_salt), self.layout)
 
     @classmethod
     def from_request(cls, kv_transfer_params: Any) -> TransferParams | None:
@@ -198,9 +264,11 @@ and follow each other; piece 0 starts at 1, not 0
         overwrite = ours.get("overwrite", False)
         if not isinstance(overwrite, bool):
             raise TransferParamsError("overwrite must be true or false")
-        tenant = ours.get("tenant", "")
-        if not isinstance(tenant, str) or len(tenant) > 256:
-            raise TransferParamsError("tenant must be a string of at most 256 characters")
+        tenant_salt = ours.get("tenant", "")
+        if not isinstance(tenant_salt, str) or len(tenant_salt) > MAX_SALT_CHARS:
+            raise TransferParamsError(
+                f"tenant must be a string of at most {MAX_SALT_CHARS} characters"
+            )
         admission = ours.get("admission")
         if admission is not None and not isinstance(admission, Mapping):
             raise TransferParamsError("admission must be an object")
@@ -216,8 +284,16 @@ and follow each other; piece 0 starts at 1, not 0
         indices = {_int(i, "a private_load index", 0) for i in own}
         if any(i >= len(load) for i in indices):
             raise TransferParamsError("private_load lists load pieces by index")
-        load = tuple(replace(p, private=True) if i in indices else p for i, p in enumerate(load))
-        return cls(load, save, overwrite, tenant, admission, detect, deferred, private)
+        load = tuple(replace(p, own=True) if i in indices else p for i, p in enumerate(load))
+        reuse = ours.get("reuse", "")
+        if reuse not in ("", "turbo", "blend"):
+            raise TransferParamsError("reuse must be 'turbo' or 'blend'")
+        blend = BlendRequest.from_json(ours["blend"]) if "blend" in ours else None
+        if blend is not None and reuse != "blend":
+            raise TransferParamsError("blend's layout goes with reuse 'blend'")
+        return cls(
+            load, save, overwrite, tenant_salt, admission, detect, deferred, private, reuse, blend
+        )
 
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """Raise ``TransferParamsError`` if a piece lies beyond the prompt."""
@@ -228,11 +304,29 @@ and follow each other; piece 0 starts at 1, not 0
                 )
 
 
-def _digested(piece: PieceSpec) -> list[Any]:
-    def digest(ids: Sequence[int]) -> str:
-        return hashlib.sha256(array("q", ids).tobytes()).hexdigest()[:32]
+_TENANT_RENAMED = "TransferParams' tenant is named tenant_salt (the JSON field stays 'tenant')"
 
-    return [piece.start, piece.rows, digest(piece.tail), digest(piece.lead)]
+
+def _accept_tenant(init: Any) -> Any:
+    """``TransferParams(tenant=...)``, the old keyword, kept with a DeprecationWarning."""
+
+    @wraps(init)
+    def __init__(
+        self: TransferParams, *args: Any, tenant: str | None = None, **kwargs: Any
+    ) -> None:
+        if tenant is not None:
+            warnings.warn(_TENANT_RENAMED, DeprecationWarning, stacklevel=2)
+            kwargs.setdefault("tenant_salt", tenant)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+TransferParams.__init__ = _accept_tenant(TransferParams.__init__)  # type: ignore[method-assign]
+
+
+def _digested(piece: PieceSpec) -> list[Any]:
+    return [piece.start, piece.rows, ids_digest(piece.tail), ids_digest(piece.lead)]
 
 
 def _int(value: Any, what: str, low: int) -> int:
@@ -272,56 +366,3 @@ def _pieces(raw: Any, what: str) -> tuple[PieceSpec, ...]:
             raise TransferParamsError("a save piece has no lead")
         out.append(PieceSpec(start, rows, tail, lead))
     return tuple(out)
-
-
-@dataclass
-class Reply:
-    """What the connector reports in a finished request's ``kv_transfer_params``.
-
-    Attributes:
-        fingerprint: the connector's storage fingerprint (model, precision).
-        loaded: prompt tokens written from the store into vLLM's cache and used.
-        recomputed: prompt tokens the workers could not load after the lookup
-            promised them (an entry corrupt, foreign or gone since): vLLM
-            computed them, though its count of cached tokens still has them.
-        keys: the store key of each ``save`` piece, in order.
-        stored: how many of them this request wrote (the others were stored).
-        refused: why the connector did not admit the request's params ("" : it
-            did); such a request loaded and stored nothing.
-    """
-
-    fingerprint: str
-    loaded: int = 0
-    recomputed: int = 0
-    keys: list[str] = field(default_factory=list)
-    stored: int = 0
-    refused: str = ""
-
-    def as_params(self) -> dict[str, Any]:
-        return {
-            PARAMS_KEY: {
-                "fingerprint": self.fingerprint,
-                "loaded": self.loaded,
-                "recomputed": self.recomputed,
-                "keys": list(self.keys),
-                "stored": self.stored,
-                "refused": self.refused,
-            }
-        }
-
-    @classmethod
-    def from_output(cls, kv_transfer_params: Any) -> Reply | None:
-        """The reply in an output's ``kv_transfer_params`` (None if there is none)."""
-        ours = (
-            kv_transfer_params.get(PARAMS_KEY) if isinstance(kv_transfer_params, Mapping) else None
-        )
-        if not isinstance(ours, Mapping) or not isinstance(ours.get("fingerprint"), str):
-            return None
-        return cls(
-            ours["fingerprint"],
-            int(ours.get("loaded", 0)),
-            int(ours.get("recomputed", 0)),
-            [str(k) for k in ours.get("keys", [])],
-            int(ours.get("stored", 0)),
-            str(ours.get("refused", "")),
-        )

@@ -1,7 +1,7 @@
 """``python -m kvrag_integrations.vllm.serve``: the command that starts vLLM's OpenAI
-server with the connector (its code: ``server.serve``)."""
+server with the connector (its code: ``server.command``)."""
 
-from kvrag_integrations.vllm.server.serve import main
+from kvrag_integrations.vllm.server.command import main
 
 __all__ = ["main"]
 

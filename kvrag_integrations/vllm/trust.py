@@ -11,8 +11,13 @@ model). Each request's rights are decided once where it enters, from these
   to. Entries are keyed by the namespace, so a request can read, and find out
   about, only its own namespace's entries. A namespace id says its kind
   (``store.namespaces``: ``key-``, ``salt-``, and ``private-`` for one
-  anonymous request's own entries), which the store's budget reads to give
-  each tenant its own quota (``store.quotas``).
+  request's own entries, named with their owner), which the store's budget
+  reads to give each tenant its own quota (``store.quotas``).
+- **Prefix caches.** vLLM's prefix cache is shared by the requests of one salt.
+  The keys of one namespace of the key file share its salt (they share its
+  entries: the key file says they share); every other key, a key of the
+  shared namespace or one of ``--api-key``, has a salt of its own
+  (``Tenant.of_key_holder``), and every anonymous request too.
 - **Salts.** A request loads stored pieces only under the ``cache_salt``
   derived here from its tenant and its load layout (``request_salt``): vLLM's
   prefix cache then keeps the approximate blocks a load leaves apart from every
@@ -27,22 +32,37 @@ import hashlib
 import hmac
 import json
 import os
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvrag_integrations.errors import TransferParamsError
-from kvrag_integrations.store.namespaces import KEY, NAMESPACE_MARK, PRIVATE, SALT, namespace_id
+from kvrag_integrations.store.namespaces import (
+    KEY,
+    NAMESPACE_MARK,
+    SALT,
+    namespace_id,
+    private_namespace_id,
+)
 
 TURBO_SALT_PREFIX = "kvrag-turbo-"
 """Every salt of a request that loads stored pieces starts with this; no tenant's
 exact salt may (so an exact request never shares vLLM's prefix blocks with one)."""
 ANON_SALT_PREFIX = "kvrag-anon-"
 """The salt of an anonymous request's own exact blocks (a nonce per request)."""
+KEY_SALT_PREFIX = "kvrag-key-"
+"""The salt of a key of the shared namespace (``Tenant.of_key_holder``)."""
+NAMESPACE_SALT_PREFIX = "kvrag-ns-"
+"""The salt of a key namespace's requests (``Tenant.of_key_namespace``)."""
 RESERVED_SALT_PREFIX = "kvrag-"
 """The server's salts start with this: a client's own ``cache_salt`` may not (but a
 turbo salt a ``VLLMEngine`` client derived for its load layout, which names no
 tenant and is replaced by the server's)."""
+
+MAX_SALT_CHARS = 256
+"""The longest salt a client may name (a ``cache_salt``, a tenant salt): a secret,
+not a document."""
 
 ROLES = ("read", "write", "admin")
 """``read``: reuse only; ``write``: reuse, and store prompts as their own entries
@@ -85,16 +105,26 @@ class Tenant:
         """The tenant an API key maps to: entries keyed by the namespace's name (so
         replicas sharing a store and the key file share them), its salt derived
         from the server's secret (no client can send it)."""
-        salt = "kvrag-ns-" + hmac.new(secret, name.encode(), hashlib.sha256).hexdigest()[:32]
-        return cls(namespace_id(KEY, name), salt)
+        digest = hmac.new(secret, name.encode(), hashlib.sha256).hexdigest()[:32]
+        return cls(namespace_id(KEY, name), NAMESPACE_SALT_PREFIX + digest)
 
     @classmethod
-    def of_anonymous_request(cls, nonce: str) -> Tenant:
-        """The tenant of one anonymous request's own entries (its private prefix, its
-        glue), under its own salt (the nonce ``admission`` draws for the request): a namespace no
-        other request can name, whose entries the store's budget counts in the
-        private pool, never in the shared namespace's quota (``store.quotas``)."""
-        return cls(namespace_id(PRIVATE, nonce), ANON_SALT_PREFIX + nonce)
+    def of_key_holder(cls, holder: str, secret: bytes) -> Tenant:
+        """The tenant of a key of the shared namespace (the key file's, or one of
+        ``--api-key``): the shared namespace, under a salt of the key's own
+        (``holder``: its digest), so that no other caller shares its prefix blocks."""
+        salt = hmac.new(secret, b"holder|" + holder.encode(), hashlib.sha256).hexdigest()[:32]
+        return cls("", KEY_SALT_PREFIX + salt)
+
+    @classmethod
+    def of_request(cls, owner: str, nonce: str) -> Tenant:
+        """The tenant of one request's own entries (its private prefix, its glue), under
+        its own salt (the nonce ``admission`` draws for the request): a private
+        namespace no other request can name, named with its ``owner`` (the
+        anonymous callers', or a key's), whose entries the store's budget counts
+        in the private pool with its owner's others (``store.quotas``), never in
+        the shared namespace's quota."""
+        return cls(private_namespace_id(owner, nonce), ANON_SALT_PREFIX + nonce)
 
     def fingerprint(self, base: str) -> str:
         """The storage fingerprint of this tenant's entries under ``base``."""
@@ -122,6 +152,17 @@ def request_salt(tenant: Tenant, layout: Sequence[Sequence[Any]]) -> str | None:
         return tenant.salt
     text = json.dumps([tenant.salt or "", [list(p) for p in layout]], separators=(",", ":"))
     return TURBO_SALT_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def ids_digest(ids: Sequence[int]) -> str:
+    """A short digest of token ids (what an admission is bound to, what a salt hashes
+    of a long lead or tail).
+
+    Examples:
+        >>> ids_digest([1, 2, 3]) == ids_digest((1, 2, 3)) != ids_digest([1, 2])
+        True
+    """
+    return hashlib.sha256(array("q", ids).tobytes()).hexdigest()[:32]
 
 
 def stricter(a: str, b: str) -> str:
@@ -155,12 +196,16 @@ def server_secret() -> bytes | None:
 
 @dataclass(frozen=True)
 class Grant:
-    """What an API key grants (the key file's entry): a namespace ("" : the shared
-    one) and a role, and the key's digest (``key_digest``)."""
+    """What an API key grants: a namespace ("" : the shared one) and a role; ``key``:
+    the digest of a key of the key file (``key_digest``: its admission counts while
+    the file holds it alike), ``holder``: the digest of whoever holds the key (a key
+    of the key file, or one of ``--api-key``: a key of the shared namespace has a
+    prefix cache of its own by it)."""
 
     namespace: str
     role: str
     key: str = ""
+    holder: str = ""
 
 
 KeyLookup = Callable[[str], "Grant | None"]

@@ -1,13 +1,16 @@
-"""Integration tier fixtures: the real default model (loaded once per test run), Redis."""
+"""Integration tier fixtures: the real default model (loaded once per test run), Redis,
+and the count of vLLM starts (``vllm_starts``: see vllm_starts.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Iterator
 
 import pytest
 from redis_cluster_helpers import PASSWORD, cluster_binaries
 from redis_helpers import RedisServer, find_redis_server
+from vllm_starts import VLLMStarts, Watcher
 
 from kvrag_integrations import KVRAGEngine, RedisKVStore
 from kvrag_integrations.bench.redis_cluster import LocalRedisCluster
@@ -76,3 +79,41 @@ def cluster_store(redis_cluster: LocalRedisCluster, redis_prefix: str) -> Iterat
     store = RedisKVStore(redis_cluster.url, prefix=redis_prefix)
     yield store
     store.close()
+
+
+_STARTS = pytest.StashKey[VLLMStarts]()
+_WATCHER = pytest.StashKey[Watcher]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_STARTS] = starts = VLLMStarts()
+    if importlib.util.find_spec("vllm") is not None:  # elsewhere no test starts one
+        config.stash[_WATCHER] = Watcher(starts).start()
+
+
+@pytest.fixture(scope="session")
+def vllm_starts(pytestconfig: pytest.Config) -> VLLMStarts:
+    """The run's ledger of vLLM starts: the fixtures that start vLLM declare each start."""
+    return pytestconfig.stash[_STARTS]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that starts vLLM itself says how many times (``starts_vllm(n)``)."""
+    if (marker := item.get_closest_marker("starts_vllm")) is not None:
+        item.config.stash[_STARTS].declare(item.nodeid, int(marker.args[0]))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fails the run on an undeclared vLLM start, or on more than ``MAX_STARTS``."""
+    if (watcher := session.config.stash.get(_WATCHER, None)) is not None:
+        watcher.stop()
+    if session.config.stash[_STARTS].problems():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    starts = config.stash[_STARTS]
+    if _WATCHER in config.stash:  # where vLLM is installed
+        terminalreporter.write_line(starts.summary())
+    for problem in starts.problems():
+        terminalreporter.write_line(f"FAILED (vLLM starts): {problem}", red=True)

@@ -87,12 +87,16 @@ def test_keep_chunk_starts_never_recomputes_them(engine: KVRAGEngine) -> None:
 
 def test_refresh_check_layer_makes_that_layer_exact(engine: KVRAGEngine) -> None:
     """With refresh, every token's check-layer K/V are full prefill's; later layers
-    of the tokens not selected stay as turbo stored them."""
+    of the tokens not selected stay as turbo stored them. CacheBlend's own selection
+    over chunks encoded alone, named (the model's calibration may choose others)."""
     kw = dict(question=QUESTION, chunks=CHUNKS)
+    own = dict(selection="deviation", chunk_context="alone")
     full = engine.prefill(strategy="full", **kw).output.kv
     turbo = engine.prefill(strategy="turbo", **kw).output.kv
-    plain = engine.prefill(strategy="blend", recompute_ratio=0.0, **kw).output.kv
-    fresh = engine.prefill(strategy="blend", recompute_ratio=0.0, refresh_check_layer=True, **kw)
+    plain = engine.prefill(strategy="blend", recompute_ratio=0.0, **own, **kw).output.kv
+    fresh = engine.prefill(
+        strategy="blend", recompute_ratio=0.0, refresh_check_layer=True, **own, **kw
+    )
     kv = fresh.output.kv
     for layer in (0, 1):
         torch.testing.assert_close(kv.keys[layer], full.keys[layer], atol=2e-4, rtol=1e-4)
@@ -101,7 +105,7 @@ def test_refresh_check_layer_makes_that_layer_exact(engine: KVRAGEngine) -> None
     chunk = fresh.output.reused_mask
     for layer in range(2, len(kv.values)):
         torch.testing.assert_close(kv.values[layer][:, chunk], turbo.values[layer][:, chunk])
-    ratio_one = logits(engine, "blend", recompute_ratio=1.0, refresh_check_layer=True)
+    ratio_one = logits(engine, "blend", recompute_ratio=1.0, refresh_check_layer=True, **own)
     torch.testing.assert_close(ratio_one, logits(engine, "full"), atol=1e-3, rtol=1e-4)
 
 

@@ -179,3 +179,34 @@ def test_store_stats_prints_a_redacted_url(capsys, tmp_path: Path) -> None:
         assert code == 0, err
         assert "entries 0" in out and "redis://***@127.0.0.1:" in out
         assert "secret" not in out + err
+
+
+def test_calibrate_records_a_choice_every_engine_on_the_store_reads(
+    capsys, ws: Workspace, engine: KVRAGEngine
+) -> None:
+    """``kvrag calibrate`` on the chunks ingested into a store: the candidates are
+    measured against full prefill, the choice is recorded in the store, and an engine
+    made afterwards on that store (another process would be the same: the record is a
+    file there) blends with it."""
+    assert kvrag(capsys, "ingest", str(ws.corpus), *ws.where, *ws.store)[0] == 0
+    code, out, _ = kvrag(
+        capsys,
+        "calibrate",
+        *ws.store,
+        "--prompts", "2",
+        "--chunks-per-prompt", "3",
+        "--contexts", "alone",
+        "--selections", "query",
+        "--recompute-first", "0",
+        "--ratios", "0.5,1.0",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "chosen for" in out and "blend@" in out
+    fresh = KVRAGEngine(engine.loaded, store=DiskKVStore(ws.kv))
+    calibration = fresh.calibrations.current()
+    assert calibration is not None and calibration.identity == fresh.calibrations.identity
+    # the bundled choice (MuSiQue's ~64-token chunks) stays beside this one
+    (choice,) = [c for c in calibration.choices if c.prompts == 2]
+    assert choice.settings.selection == "query" and choice.settings.chunk_context == "alone"
+    assert choice.settings.recompute_ratio in (0.5, 1.0)
+    assert any((ws.kv / "_records").iterdir())

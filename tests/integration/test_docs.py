@@ -8,7 +8,6 @@ GPU-only example).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -19,7 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NEEDS_VLLM = {"vllm.md"}  # pages whose examples start vLLM
+# Pages whose examples start vLLM, and how many times: run by with_vllm/test_vllm_docs.py
+# (the vLLM lane).
+NEEDS_VLLM = {"vllm.md": 3}
 BLOCK = re.compile(r"(<!-- skip-run -->\s*)?```python\n(.*?)```", re.S)
 
 
@@ -27,10 +28,17 @@ def python_blocks(path: Path) -> list[str]:
     return [code for skip, code in BLOCK.findall(path.read_text()) if not skip]
 
 
-@pytest.mark.parametrize("path", [f for f in FILES if python_blocks(f)], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [f for f in FILES if python_blocks(f) and f.name not in NEEDS_VLLM],
+    ids=lambda p: p.name,
+)
 def test_code_blocks_run(path: Path, tmp_path: Path) -> None:
-    if path.name in NEEDS_VLLM and importlib.util.find_spec("vllm") is None:
-        pytest.skip(f"{path.name} runs vLLM: the vLLM lane of .ci/run runs it")
+    run_blocks(path, tmp_path)
+
+
+def run_blocks(path: Path, tmp_path: Path) -> None:
+    """Run ``path``'s Python blocks in order, in one fresh interpreter in ``tmp_path``."""
     script = tmp_path / f"{path.stem}_blocks.py"
     script.write_text("\n\n".join(python_blocks(path)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False"}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrag_integrations.vllm.server import serve
+from kvrag_integrations.vllm.server import command as serve
 
 TOOLS = [
     {

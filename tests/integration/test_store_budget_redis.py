@@ -61,7 +61,7 @@ def write(store: RedisKVStore, budget: StoreBudget, kvs: list[ChunkKV]) -> tuple
     most any primary used meanwhile."""
     written, most = [], 0
     for kv in kvs:
-        if budget.admit(len(encode_entry(kv)), FP, kv.key):
+        if budget.allow_write(len(encode_entry(kv)), FP, kv.key):
             store.put(kv)  # a Redis OOM error would raise StoreWriteError here
             written.append(kv)
         most = max(most, *used(store).values())
@@ -162,3 +162,54 @@ def test_one_server_full_of_others_keys_refuses_rather_than_meets_oom(
                 store.put(make_kv(seed, **ENTRY))
     finally:
         own.stop()
+
+
+def test_a_group_within_its_quota_keeps_its_entries_on_the_primary_hashing_filled(
+    bounded: RedisKVStore,
+) -> None:
+    """Issue 59 hole 4: a primary's evictions judged a group by its entries there
+    scaled to the whole store, so a group within its quota that hashing put mostly
+    on one primary was "over" there and lost entries to another's writes. A group
+    within its quota over the whole store keeps them: the writer's own go first,
+    and what does not fit is refused."""
+    from kvrag_integrations.store.quotas import Quotas
+    from kvrag_integrations.vllm.trust import Tenant
+
+    store = bounded
+    nbytes = store_budget(store)[0]
+    budget = StoreBudget(store, nbytes, quotas=Quotas(0.5), index_log=index_log_for(store))
+    keyed = FP + "+ns-" + Tenant.of_key_namespace("team-k", b"ids").namespace
+    target = store.shard_of(make_kv(0, **ENTRY).key)
+
+    def on_target(fingerprint: str, count: int, seed: int) -> list[ChunkKV]:
+        out = []
+        while len(out) < count:
+            kv = make_kv(seed, **ENTRY)
+            kv = ChunkKV(kv.token_ids, kv.keys, kv.values, fingerprint)
+            seed += 1
+            if store.shard_of(kv.key) == target:
+                out.append(kv)
+        return out
+
+    team = on_target(keyed, 40, 0)  # ~10 MiB: a third of its quota, all on one primary
+    written, _ = write(store, budget, team)
+    assert len(written) == len(team)
+    flood = on_target(FP, 70, 10_000)  # the shared namespace's writer, on that primary
+    _, most = write(store, budget, flood)
+    left = set(store.keys())
+    print(f"\nteam kept {sum(kv.key in left for kv in team)} of {len(team)}")
+    assert most <= MAXMEMORY and all(kv.key in left for kv in team)
+
+
+def test_a_budget_past_the_primaries_capacity_still_keeps_each_within_it(
+    bounded: RedisKVStore,
+) -> None:
+    """Issue 59 hole 4: with ``--max-store-bytes`` past what the primaries can hold,
+    a primary's share of it was past its capacity and "80% of maxmemory" bound
+    nothing: writes met Redis's OOM error. Each primary's share is at most its
+    capacity."""
+    store = bounded
+    budget = StoreBudget(store, 10 * store_budget(store)[0], index_log=index_log_for(store))
+    written, most = write(store, budget, [make_kv(seed, **ENTRY) for seed in range(300)])
+    print(f"\n{len(written)} written, most used {most / 2**20:.1f} MiB")
+    assert most <= MAXMEMORY and budget.evicted + budget.refused > 0

@@ -257,3 +257,41 @@ def test_dead_or_silent_redis_does_not_hang() -> None:
         with pytest.raises(StoreWriteError):
             mute.put(kv)
         assert time.monotonic() - started < 15  # ~1 s timeout, one retry, per call
+
+
+def test_a_private_entry_expires_and_a_shared_one_stays(store: RedisKVStore) -> None:
+    """Issue 59 hole 11: one request's own (private) entries had no expiry: a server
+    killed mid-request left them until eviction under pressure. Redis expires them
+    after ``PRIVATE_TTL_S`` (every part with its manifest); other entries keep the
+    store's TTL (none here)."""
+    from kvrag_integrations.store.namespaces import PRIVATE_TTL_S
+    from kvrag_integrations.vllm.trust import Tenant
+
+    small = make_kv(1)
+    private = Tenant.of_request("anonymous", "nonce").fingerprint(small.fingerprint)
+    own = ChunkKV(small.token_ids, small.keys, small.values, private)
+    split = RedisKVStore(client=store.client, prefix=store.prefix, max_value_bytes=1024)
+    split.put(own)
+    store.put(make_kv(2))
+    ttl = store.ttl(own.key)
+    assert ttl is not None and PRIVATE_TTL_S - 60 < ttl <= PRIVATE_TTL_S
+    parts = [k for k in raw_keys(store) if ":part:" in k]
+    assert parts and all(0 < store.client.pttl(k) <= PRIVATE_TTL_S * 1000 for k in parts)
+    assert store.ttl(make_kv(2).key) is None
+
+
+def test_a_redis_that_evicts_by_itself_is_refused_at_start(store: RedisKVStore) -> None:
+    """Issue 59 hole 14: the examples recommended ``allkeys-lru`` where the cluster
+    docs said ``noeviction``; under LRU Redis evicts entries, their parts and the
+    index log past every quota. A server's store must be ``noeviction`` (the
+    budget evicts): the connector and ``serve`` refuse anything else, naming it."""
+    from kvrag_integrations.errors import StoreURLError
+    from kvrag_integrations.store.redis_client import check_eviction_policy
+
+    check_eviction_policy(store.client)  # Redis's default: noeviction
+    store.client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with pytest.raises(StoreURLError, match="allkeys-lru"):
+            check_eviction_policy(store.client)
+    finally:
+        store.client.config_set("maxmemory-policy", "noeviction")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from kvrag_integrations.bench.openai_clients import _summary, kl_top, table
+from kvrag_integrations.bench.metrics import kl_top
+from kvrag_integrations.bench.openai_clients import _summary, table
 
 
 def test_kl_over_the_exact_top_tokens() -> None:

@@ -20,7 +20,7 @@ class DictBytes(EncodedKVStore):
     def _read_bytes(self, key: str) -> bytes | None:
         return self.blobs.get(key)
 
-    def _write_bytes(self, key: str, data: bytes) -> None:
+    def _write_bytes(self, key: str, data: bytes, ttl_s: float | None = None) -> None:
         self.blobs[key] = bytes(data)
 
     def _delete(self, key: str) -> None:

@@ -99,3 +99,47 @@ def test_unknown_context_and_a_tokenizer_without_bos(engine: KVRAGEngine) -> Non
     with pytest.raises(ValueError, match="BOS"):
         context_ids(NoBos(), "sink")
     assert context_ids(NoBos(), "alone").numel() == 0
+
+
+@pytest.mark.parametrize("strategy", ["turbo", "blend"])
+def test_a_strategy_reads_another_contexts_entries_kept_apart(
+    engine: KVRAGEngine, sink: KVRAGEngine, tmp_path: Path, strategy: str
+) -> None:
+    """On an engine encoding chunks alone, ``chunk_context="sink"`` reads (or encodes)
+    the sink entries: the same logits as an engine whose own context is the sink,
+    and the engine's own entries are left as they are."""
+    store = DiskKVStore(tmp_path)
+    alone = KVRAGEngine(engine.loaded, store=store, **EXACT)
+    kw = dict(question=QUESTION, chunks=[TOWER, REEF], strategy=strategy)
+    options = {"recompute_ratio": 0.5, "selection": "query"} if strategy == "blend" else {}
+    own = alone.prefill(**kw, **options)
+    other = alone.prefill(**kw, **options, chunk_context="sink")
+    reference = sink.prefill(**kw, **options)
+    torch.testing.assert_close(other.logits, reference.logits, atol=1e-4, rtol=1e-4)
+    assert (own.logits - other.logits).abs().max() > 1e-4  # other entries, other K/V
+    fingerprints = {info.fingerprint for info in store.entries()}
+    assert fingerprints == {alone.fingerprint, sink.fingerprint}
+    assert other.lazily_encoded_chunks == 2  # (encoded on the spot: on_miss="encode")
+    again = alone.prefill(**kw, **options, chunk_context="sink")
+    assert again.lazily_encoded_chunks == 0
+
+
+def test_ingestion_stores_blends_context_once_blend_is_in_use(
+    engine: KVRAGEngine, tmp_path: Path
+) -> None:
+    from kvrag_integrations.engine.blend_settings import (
+        BlendSettings,
+        CalibratedChoice,
+        Calibration,
+    )
+
+    store = DiskKVStore(tmp_path)
+    alone = KVRAGEngine(engine.loaded, store=store, **EXACT)
+    choice = CalibratedChoice(64, BlendSettings("sink", "query", 0.2), 0.1, 0.3, 0.4, 4, True)
+    alone.calibrations.save(Calibration(alone.calibrations.identity, "tiny", (choice,)))
+    alone.encode_chunks([TOWER], show_progress=False)
+    assert len(store) == 1  # turbo's entries only, while blend is not in use
+    alone.use_strategy("blend")
+    assert alone.entry_contexts() == ("alone", "sink")
+    alone.encode_chunks([TOWER, REEF], show_progress=False)
+    assert len(store) == 4

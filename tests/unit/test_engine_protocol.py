@@ -56,6 +56,7 @@ def test_the_members_are_what_the_adapters_use() -> None:
         "chunk_index",
         "encode_chunks",
         "prefetch",
+        "use_strategy",
         "generate",
         "stream",
         "astream",
@@ -92,18 +93,21 @@ FRONT_DOOR = {
     "open_request",
     "prepare",
     "stream",
+    "strategy_for",
     "tokenize",
 }
-HOOKS = {"check_options", "context_window", "forced_lead", "request_job"}
+HOOKS = {"blend_options", "check_options", "context_window", "forced_lead", "request_job"}
 BOTH = {"from_pretrained", "wait_for_encoding"}
 SCORING = {"scoring_fingerprint", "encode_documents", "score_documents"}  # DocumentScorer
 OWN = {
     KVRAGEngine: {
         "cache_precision",
+        "calibrations",
         "chunk_key",
         "default_class",
         "device",
         "dtype",
+        "entry_contexts",
         "eos_token_ids",
         "exclusive",
         "prefill",
@@ -112,7 +116,7 @@ OWN = {
         "shared",
         "store",
     },
-    VLLMEngine: {"close", "connect", "encode_in_background"},
+    VLLMEngine: {"close", "connect", "encode_in_background", "tenant"},  # (tenant: deprecated)
 }
 
 
@@ -185,7 +189,13 @@ OPTION_CASES: list[tuple[dict[str, Any], Any]] = [
     ({"strategy": "full"}, OK),
     ({"strategy": "turbo"}, OK),
     ({"strategy": "nope"}, UnknownStrategyError),
-    ({"strategy": "blend"}, {"KVRAGEngine": OK, "VLLMEngine": UnsupportedInputError}),
+    ({"strategy": "blend"}, OK),
+    ({"strategy": "blend", "recompute_ratio": 0.3, "selection": "query"}, OK),
+    (
+        {"strategy": "blend", "check_layer": 2},
+        {"KVRAGEngine": OK, "VLLMEngine": UnsupportedInputError},
+    ),
+    ({"strategy": "blend", "recompute_ratio": 2.0}, ValueError),
     (
         {"strategy_options": {"positions": "composite"}},
         {"KVRAGEngine": OK, "VLLMEngine": UnsupportedInputError},
@@ -276,6 +286,15 @@ def test_both_engines_take_or_refuse_every_option_alike(
         else:
             with pytest.raises(want):
                 eng.open_request(question, chunks, call)
+
+
+def test_a_vllm_that_cannot_blend_refuses_it_at_the_call(engine: KVRAGEngine) -> None:
+    backend = _Backend(engine.context_window)
+    backend.blend_refused = "GPT2LMHeadModel layer 0 uses ALiBi"
+    vllm = VLLMEngine(backend, engine.tokenizer)
+    with pytest.raises(UnsupportedInputError, match="ALiBi"):
+        vllm.open_request(QUESTION, [TOWER], {"strategy": "blend"})
+    vllm.open_request(QUESTION, [TOWER], {"strategy": "turbo"})  # turbo still runs
 
 
 # ---------------------------------------------------------------- logprobs

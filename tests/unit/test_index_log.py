@@ -324,3 +324,43 @@ def test_a_failing_log_never_fails_a_request(caplog: pytest.LogCaptureFixture) -
     assert len(calls) == 1  # then add and cover leave the log alone for RETRY_S
     with pytest.raises(ValueError):
         synced.add("m", [-1])
+
+
+def test_a_log_that_is_no_regular_file_is_refused_at_once_and_named(tmp_path: Path) -> None:
+    """Issue 59 hole 10: a FIFO in place of ``_index/records.log`` hung the server at
+    "Waiting for application startup" with nothing logged (the log was opened
+    blocking, with no regular-file check). Reading, appending and compacting it
+    now refuse it at once, naming it; an entry file the same way."""
+    import threading
+
+    from kvrag_integrations.errors import NotRegularFileError
+    from kvrag_integrations.store.disk import read_entry_file
+
+    log = DiskIndexLog(tmp_path)
+    log.path.parent.mkdir(parents=True)
+    os.mkfifo(log.path)
+    entry = tmp_path / "ab" / ("ab" + "0" * 62 + ".safetensors")
+    entry.parent.mkdir()
+    os.mkfifo(entry)
+    calls = {
+        "read": log.read_new,
+        "append": lambda: log.append("ns", [1, 2, 3]),
+        "compact": lambda: log.compact(lambda namespace, ids: True),
+        "entry": lambda: read_entry_file(entry),
+    }
+    for name, call in calls.items():
+        raised: list[BaseException] = []
+
+        def run(call=call, raised=raised) -> None:
+            try:
+                call()
+            except BaseException as exc:
+                raised.append(exc)
+
+        worker = threading.Thread(target=run, daemon=True)  # (a hang must not hang the run)
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive(), f"{name}: blocked on the FIFO"
+        assert raised and isinstance(raised[0], NotRegularFileError), (name, raised)
+        named = str(log.path) if name != "entry" else str(entry)
+        assert named in str(raised[0]) and "regular file" in str(raised[0])

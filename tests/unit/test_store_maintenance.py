@@ -114,3 +114,36 @@ def test_open_store_forms(tmp_path: Path) -> None:
     for bad in ("disk:", "s3://bucket", "./kv", ""):
         with pytest.raises(StoreURLError):
             open_store(bad)
+
+
+def test_prune_honours_namespaces_quotas_and_expiry(tmp_path: Path) -> None:
+    """Issue 59 hole 14 (and 11 at rest): ``prune --max-bytes`` evicted the least
+    recently used entries across namespaces, ignoring quotas; ``--foreign`` took
+    every entry of a server's tenants for another model's; a private entry of a
+    server killed mid-request stayed. Now a namespace over its quota gives way
+    first, a tenant's entries of the model are its own, and private entries unused
+    for ``PRIVATE_TTL_S`` go."""
+    from kvrag_integrations.store.namespaces import PRIVATE_TTL_S
+    from kvrag_integrations.vllm.trust import Tenant
+
+    store = DiskKVStore(tmp_path / "kv")
+    team = Tenant.of_key_namespace("team-a", b"x").fingerprint(FP)
+    shared = [make_kv(i, n=64) for i in range(4)]  # older: the shared namespace's
+    keyed = [make_kv(10 + i, n=64, fingerprint=team) for i in range(8)]  # newer, a team's
+    own = make_kv(30, n=8, fingerprint=Tenant.of_request("anonymous", "1").fingerprint(FP))
+    for age, kv in enumerate([*shared, *keyed, own]):
+        store.put(kv)
+        stamp = time.time() - 1000 + age
+        if kv is own:
+            stamp = time.time() - PRIVATE_TTL_S - 60  # a killed server's, long unused
+        os.utime(entry_path(store, kv.key), (stamp, stamp))
+    one = next(i.nbytes for i in store.entries() if i.key == shared[0].key)
+    evicted = {info.key for info in prune(store, max_bytes=10 * one + 2048)}
+    # the team held 8 of 10 (over half): its oldest went, and the shared ones stayed
+    assert evicted == {own.key, keyed[0].key, keyed[1].key}
+    assert all(store.contains(kv.key) for kv in shared)
+    evicted = {info.key for info in prune(store, foreign_to=FP)}
+    assert evicted == set()  # the team's entries are the model's (FP), in a namespace
+    assert {info.key for info in prune(store, foreign_to="another")} == {
+        kv.key for kv in [*shared, *keyed[2:]]
+    }

@@ -3,7 +3,7 @@
 - No write evicts an entry of another group within its quota (replayed in the
   order chosen: each evicted entry's group past its limit, its pool past the
   pool's without the write, or the entry an idle pooled one, at that moment).
-- An admitted write fits its group, its pool and the store; a refused one
+- An allowed write fits its group, its pool and the store; a refused one
   evicts nothing but unreadable entries.
 - A write is refused only where what it may evict surely cannot make room.
 
@@ -17,7 +17,8 @@ from collections import defaultdict
 import pytest
 
 from kvrag_integrations.store.base import EntryInfo
-from kvrag_integrations.store.quotas import UNREADABLE, Pool, Quotas, select_for_budget
+from kvrag_integrations.store.eviction import select_for_budget
+from kvrag_integrations.store.quotas import UNREADABLE, Pool, Quotas
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
@@ -117,7 +118,7 @@ def test_no_write_evicts_a_group_within_its_quota(
         if kind is not None:
             pools[kind] -= info.nbytes
     total = reserved + sum(held.values())
-    if not pick.admitted:
+    if not pick.fits:
         assert pick.evict == unreadable
         return
     assert held[writing] <= quotas.limit(writing, max_bytes) and total <= max_bytes
@@ -148,7 +149,7 @@ def test_a_write_is_refused_only_where_no_room_can_be_made(
     now: float,
 ) -> None:
     """Where evicting what a write may evict (its own group, what is past a limit,
-    idle pooled entries, unreadable ones) surely makes room, it is admitted."""
+    idle pooled entries, unreadable ones) surely makes room, it is allowed."""
     infos = [EntryInfo(f"e{i}", n, t, fingerprint(g)) for i, (g, n, t) in enumerate(raw)]
     quotas = Quotas(share, {}, salts, private)
     pick = select_for_budget(
@@ -180,4 +181,4 @@ def test_a_write_is_refused_only_where_no_room_can_be_made(
         in_pool = sum(held[n] - free[n] for n in pooled) + nbytes
         fits_pool = in_pool <= quotas.pool_limit(own_pool, max_bytes)
     if room and fits_group and fits_pool:
-        assert pick.admitted, (own, free)
+        assert pick.fits, (own, free)

@@ -37,7 +37,7 @@ def make_kv(seed: int, fingerprint: str, n: int = 16) -> ChunkKV:
 
 def write(store: DiskKVStore, budget: StoreBudget, log: DiskIndexLog, kv: ChunkKV) -> bool:
     """What the connector's worker does with an entry it stores."""
-    if not budget.admit(kv.nbytes + 4096, kv.fingerprint):
+    if not budget.allow_write(kv.nbytes + 4096, kv.fingerprint):
         return False
     store.put(kv)
     log.append(kv.fingerprint, kv.token_ids.tolist())
@@ -77,7 +77,7 @@ def test_a_flood_of_one_tenant_keeps_the_store_in_budget_and_spares_the_others(
 
 def test_a_namespace_id_says_its_kind_and_no_kind_names_another() -> None:
     salt, key = Tenant.of_salt("team-a"), Tenant.of_key_namespace("team-a", b"secret")
-    own = Tenant.of_anonymous_request("0f" * 16)
+    own = Tenant.of_request("anonymous", "0f" * 16)
     tenants = (Tenant(), key, salt, own)
     kinds = [namespace_kind(namespace_of(t.fingerprint(BASE))) for t in tenants]
     assert kinds == ["shared", "key", "salt", "private"]  # read from what is stored
@@ -144,8 +144,8 @@ def test_a_write_larger_than_its_quota_is_refused(tmp_path: Path) -> None:
     store = DiskKVStore(tmp_path)
     one = make_kv(0, BASE).nbytes + 4096
     budget = StoreBudget(store, 10 * one, quotas=Quotas(0.5, {A.namespace: one // 2}))
-    assert not budget.admit(one, A.fingerprint(BASE))
-    assert budget.admit(one, BASE)
+    assert not budget.allow_write(one, A.fingerprint(BASE))
+    assert budget.allow_write(one, BASE)
 
 
 def test_no_budget_means_auto_and_unbounded_must_be_named(tmp_path: Path) -> None:
@@ -189,7 +189,47 @@ def test_a_budget_without_quotas_evicts_the_least_recently_used_of_any_tenant() 
     budget = StoreBudget(store, 3 * one, low_water=1.0)  # no quotas: one group
     older = make_kv(1, A.fingerprint(BASE))
     for kv in (older, make_kv(2, B.fingerprint(BASE)), make_kv(3, BASE)):
-        assert budget.admit(kv.nbytes, kv.fingerprint)
+        assert budget.allow_write(kv.nbytes, kv.fingerprint)
         store.put(kv)
-    assert budget.admit(one, Tenant.of_salt("s").fingerprint(BASE))
+    assert budget.allow_write(one, Tenant.of_salt("s").fingerprint(BASE))
     assert not store.contains(older.key) and len(store) == 2
+
+
+def test_a_writer_over_the_budget_evicts_what_fits_it_not_its_whole_group() -> None:
+    """Issue 59 hole 5: a write that took the store past its budget evicted the
+    writer's own entries until the store held the low-water mark, its whole group
+    where others hold the rest within their quotas, though one eviction would do.
+    It evicts its own until the write fits, and at most a low-water share more."""
+    store = MemoryKVStore(max_bytes=None)
+    one = make_kv(0, BASE).nbytes
+    budget = StoreBudget(store, 10 * one, quotas=Quotas(0.5))
+    others = [make_kv(10 + i, (A if i < 4 else B).fingerprint(BASE)) for i in range(8)]
+    mine = [make_kv(20 + i, BASE) for i in range(2)]
+    for kv in [*mine, *others]:  # the shared namespace 2, team-a 4, team-b 4: all within quota
+        assert budget.allow_write(kv.nbytes, kv.fingerprint)
+        store.put(kv)
+    assert budget.allow_write(one, BASE)  # an 11th: one of its own has to go
+    assert [kv.key for kv in mine if not store.contains(kv.key)] == [mine[0].key]
+    assert all(store.contains(kv.key) for kv in others)
+
+
+def test_a_private_entry_past_its_time_goes_at_the_next_measurement(tmp_path: Path) -> None:
+    """Issue 59 hole 11: the private entries of a server killed mid-request stayed
+    until idle eviction under pressure (no expiry). They expire: every measurement
+    of the budget deletes those unused for ``PRIVATE_TTL_S`` (Redis expires them
+    itself: ``test_store_redis.py``)."""
+    import os
+    import time
+
+    from kvrag_integrations.store.namespaces import PRIVATE_TTL_S
+
+    store = DiskKVStore(tmp_path)
+    left = make_kv(1, Tenant.of_request("anonymous", "killed").fingerprint(BASE))
+    fresh = make_kv(2, Tenant.of_request("anonymous", "running").fingerprint(BASE))
+    for kv in (left, fresh):
+        store.put(kv)
+    stamp = time.time() - PRIVATE_TTL_S - 60
+    os.utime(tmp_path / left.key[:2] / f"{left.key}.safetensors", (stamp, stamp))
+    budget = StoreBudget(store, 10**9, quotas=Quotas(0.5))
+    assert budget.allow_write(make_kv(3, BASE).nbytes, BASE)  # the first write measures
+    assert not store.contains(left.key) and store.contains(fresh.key)

@@ -20,7 +20,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from kvrag_integrations.engine.modeling.generate import _StopScanner
+from kvrag_integrations.engine.modeling.generate import StopScanner
 from kvrag_integrations.engine.modeling.sampling import (
     SamplingParams,
     choose_token,
@@ -180,7 +180,7 @@ def test_greedy_choice_with_a_repetition_penalty() -> None:
 
 
 def test_stop_scanner_holds_back_a_possible_stop() -> None:
-    scanner = _StopScanner(["END", "\n\n"])
+    scanner = StopScanner(["END", "\n\n"])
     assert scanner.safe_len("abc EN", 0) == 4  # "EN" may start END
     assert scanner.safe_len("abc EX", 0) == 6
     assert scanner.find("abc END x", 0) == 4 and scanner.cut("abc END x") == "abc "

@@ -1,13 +1,17 @@
 """Each tool family's parser and streaming detector on untrusted model output.
 
 Property tests (Hypothesis) feed every family random text, text built from the
-format's own pieces, truncated calls, deep nesting and huge numbers. Whatever
-the model wrote: parsing never raises; a call names a bound tool with a JSON
-object of arguments; an invalid call's raw text never reads as a call to
+format's own pieces, truncated calls, deep nesting and huge numbers, and call
+objects in each family's format whose name and arguments are any JSON value,
+with names and keys escaped, non-finite numbers and prose after the calls.
+Whatever the model wrote: parsing never raises (the bound names a tuple or a
+set); a call names a bound tool with a JSON object of arguments, written back
+as strict JSON; an invalid call's raw text never reads as a call to
 LangChain's partial-JSON parser (so a streamed chunk stays invalid, as invoke
-reports it); and the text the detector releases from any prefix is a prefix of
-the parsed text (what makes streaming equal invoke). Canned outputs pin the
-crashes issue 51 found.
+reports it); the text the detector releases from any prefix is a prefix of the
+parsed text (what makes streaming equal invoke), and a detector reading on
+from where it stopped says what a fresh one says. Canned outputs pin the
+crashes issues 51 and 58 found.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from langchain_core.utils.json import parse_partial_json
 
-from kvrag_integrations.engine.tools.calls import call_arguments, template_tool_calls
+from kvrag_integrations.engine.tools.calls import (
+    Parsed,
+    ToolCall,
+    call_arguments,
+    template_tool_calls,
+)
 from kvrag_integrations.engine.tools.family import ToolFamily
 from kvrag_integrations.engine.tools.hermes import FallbackFamily, HermesFamily
 from kvrag_integrations.engine.tools.llama import LlamaFamily
@@ -55,11 +64,21 @@ any_text = st.one_of(st.text(max_size=120), fragment_text)
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is no JSON")
+
+
+def strict_json(text: str) -> object:
+    """``text`` read as strict JSON: NaN and Infinity raise."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
 def _check(family: ToolFamily, text: str) -> None:
     parsed = family.parse(text, NAMES, b"seed")
+    assert family.parse(text, frozenset(NAMES), b"seed") == parsed  # any collection of names
     for call in parsed.calls:
         assert call.name in NAMES and isinstance(call.arguments, dict)
-        json.loads(call.as_openai()["function"]["arguments"])  # serialisable, back again
+        strict_json(call.as_openai()["function"]["arguments"])  # strict JSON, back again
     for bad in parsed.invalid:
         assert bad.error and isinstance(bad.arguments, str)
         try:
@@ -67,10 +86,14 @@ def _check(family: ToolFamily, text: str) -> None:
         except Exception:  # whatever LangChain raises: it stays invalid
             read = None
         assert not isinstance(read, dict), bad.arguments
-    # Streaming: what the detector releases from any prefix is a prefix of the text.
+    # Streaming: what the detector releases from any prefix is a prefix of the text,
+    # and one detector fed the prefixes in turn (reading on where it stopped, as a
+    # stream does) says what a fresh one says of each.
     cuts = sorted({*range(0, len(text) + 1, max(1, len(text) // 40)), len(text)})
+    detector = family.detector(NAMES)
     for cut in cuts:
         end = family.content_end(text[:cut], NAMES)
+        assert detector.end(text[:cut]) == end, (cut, text[:cut])
         assert 0 <= end <= cut
         assert parsed.content.startswith(text[:end]), (cut, text[:end], parsed.content)
 
@@ -252,3 +275,178 @@ def test_a_forced_call_cut_anywhere_closes_into_one_call(name, args, data) -> No
     (call,) = parsed.calls
     assert call.name == name
     assert set(call.arguments) <= set(args)
+
+
+# Call objects in each family's format, as odd as a model writes them (issue 58).
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**30), 10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e400"]
+PROSE = ["", " Thanks!", "\n\nThe tower is 330 m tall.", " I hope this helps. (1)"]
+
+
+def _json_string(text: str, escape: list[bool]) -> str:
+    """``text`` as a JSON string, the characters ``escape`` marks written as \\uXXXX."""
+    out = [
+        f"\\u{ord(c):04x}"
+        if i < len(escape) and escape[i] and ord(c) < 0x10000
+        else json.dumps(c)[1:-1]
+        for i, c in enumerate(text)
+    ]
+    return '"' + "".join(out) + '"'
+
+
+@st.composite
+def odd_calls(draw: st.DrawFn, family: str) -> tuple[str, str, bool]:
+    """A call in ``family``'s format whose name and arguments may be any JSON value,
+    names and keys maybe escaped, a non-finite number maybe among the arguments,
+    prose maybe after it; the same call written plainly (no escapes, no prose);
+    whether prose follows."""
+    name = draw(st.sampled_from(NAMES) | json_values)
+    args = draw(st.dictionaries(st.sampled_from(["q", "k"]), json_values, max_size=2) | json_values)
+    bad_number = draw(st.none() | st.sampled_from(NON_FINITE))
+    prose = draw(st.sampled_from(PROSE))
+    mask = draw(st.lists(st.booleans(), max_size=12))
+
+    def obj(escape: list[bool]) -> str:
+        key = "parameters" if family == "llama" else "arguments"
+        name_text = _json_string(name, escape) if isinstance(name, str) else json.dumps(name)
+        args_text = json.dumps(args)
+        if bad_number is not None and isinstance(args, dict):
+            args_text = args_text[:-1] + (", " if args else "") + f'"n": {bad_number}}}'
+        head = f"{_json_string('name', escape)}: {name_text}"
+        return f"{{{head}, {_json_string(key, escape)}: {args_text}}}"
+
+    if family == "pythonic":
+        ident = name if isinstance(name, str) and name.isidentifier() else "search"
+        kwargs = args if isinstance(args, dict) else {"q": args}
+        inner = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        if bad_number is not None:
+            inner += (", " if inner else "") + "n=1e999"
+        plain = f"[{ident}({inner})]"
+        return plain + prose, plain, bool(prose)
+    wrap = {
+        "hermes": "<tool_call>\n{}\n</tool_call>",
+        "fallback": "<tool_call>\n{}\n</tool_call>",
+        "llama": draw(st.sampled_from(["{}", "<|python_tag|>{}"])),
+        "mistral": "[TOOL_CALLS][{}]",
+        "json": "{}",
+    }[family]
+    return wrap.format(obj(mask)) + prose, wrap.format(obj([])), bool(prose)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+@SETTINGS
+@given(data=st.data())
+def test_call_objects_of_any_json_escaped_non_finite_or_with_prose(
+    family: ToolFamily, data: st.DataObject
+) -> None:
+    text, plain, prose = data.draw(odd_calls(family.name))
+    _check(family, text)
+    parsed = family.parse(text, NAMES, b"s")
+    for call in parsed.calls:  # a call holds no number JSON cannot carry
+        assert "NaN" not in call.as_openai()["function"]["arguments"]
+    if text == plain or not family.parse(plain, NAMES).calls:
+        return
+    # Escapes read as what they decode to; prose after marked calls dropped, while
+    # it makes a whole-answer form (bare JSON, a Python list) text.
+    whole_answer = not family.markers or (family.name == "llama" and not text.startswith("<|"))
+    if whole_answer and prose:
+        assert parsed.calls == () and parsed.content == text  # prose after: text
+    else:
+        assert [(c.name, c.arguments) for c in parsed.calls] == [
+            (c.name, c.arguments) for c in family.parse(plain, NAMES).calls
+        ]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+@pytest.mark.parametrize("names", [NAMES, set(NAMES), frozenset(NAMES), list(NAMES)])
+def test_a_name_that_is_no_string_is_no_call_and_never_raises(family: ToolFamily, names) -> None:
+    for name in ('["search"]', '{"n": 1}', "1", "null"):
+        obj = f'{{"name": {name}, "arguments": {{}}}}'
+        for text in (
+            f"<tool_call>{obj}</tool_call>",
+            obj,
+            f"[TOOL_CALLS][{obj}]",
+            f"<|python_tag|>{obj}",
+        ):
+            parsed = family.parse(text, names)
+            assert not parsed.calls
+    bad = HermesFamily().parse(
+        '<tool_call>{"name": ["search"], "arguments": {}}</tool_call>', set(NAMES)
+    )
+    assert bad.invalid[0].name is None and "no call object with a name" in bad.invalid[0].error
+
+
+@pytest.mark.parametrize("family", [LlamaFamily(), ToolFamily()], ids=["llama", "json"])
+def test_an_escaped_name_or_key_streams_as_the_call_it_parses_to(family: ToolFamily) -> None:
+    key = family.args_key
+    text = f'{{"name": "se\\u0061rch", "{key[0]}\\u{ord(key[1]):04x}{key[2:]}": {{"q": "tower"}}}}'
+    assert [(c.name, c.arguments) for c in family.parse(text, NAMES).calls] == [
+        ("search", {"q": "tower"})
+    ]
+    detector = family.detector(NAMES)
+    assert all(detector.end(text[:cut]) == 0 for cut in range(len(text) + 1))  # none released
+    # an escaped name that is no bound tool's is text as soon as it cannot be one
+    other = '{"name": "\\u0041lice", "age": 30}'
+    assert (
+        family.content_end(other[:16], NAMES) == 16 and family.parse(other, NAMES).content == other
+    )
+
+
+@pytest.mark.parametrize("number", NON_FINITE)
+def test_non_finite_numbers_are_no_arguments(number: str) -> None:
+    args = f'{{"q": {number}}}'
+    for family, text in [
+        (HermesFamily(), f'<tool_call>{{"name": "search", "arguments": {args}}}</tool_call>'),
+        (MistralFamily(), f'[TOOL_CALLS][{{"name": "search", "arguments": {args}}}]'),
+        (MistralFamily(), f"[TOOL_CALLS]search[ARGS]{args}"),
+        (LlamaFamily(), f'<|python_tag|>{{"name": "search", "parameters": {args}}}'),
+    ]:
+        parsed = family.parse(text, NAMES)
+        assert not parsed.calls and len(parsed.invalid) == 1, text  # the markup holds no call
+    for family in (LlamaFamily(), ToolFamily()):  # a bare object with one: a JSON answer
+        text = f'{{"name": "search", "{family.args_key}": {args}}}'
+        assert family.parse(text, NAMES).content == text
+    python = PythonicFamily().parse("[search(q=1e999)]", NAMES)
+    assert not python.calls and python.invalid[0].name == "search"
+
+
+def test_as_openai_writes_strict_json() -> None:
+    call = HermesFamily().parse(
+        '<tool_call>{"name": "search", "arguments": {"q": 1e300}}</tool_call>', NAMES
+    )
+    assert strict_json(call.calls[0].as_openai()["function"]["arguments"]) == {"q": 1e300}
+    with pytest.raises(ValueError):  # made by hand: refused rather than written as NaN
+        ToolCall("search", {"q": float("nan")}).as_openai()
+
+
+@pytest.mark.parametrize("family", [LlamaFamily(), ToolFamily()], ids=["llama", "json"])
+def test_a_bare_object_without_arguments_is_a_json_answer(family: ToolFamily) -> None:
+    answer = '{"name": "search"}'
+    assert family.parse(answer, NAMES) == Parsed(answer)
+    assert family.content_end(answer, NAMES) == len(answer)  # streamed at once
+    # inside the family's markup the call may leave its arguments out
+    if family.markers:
+        assert family.parse("<|python_tag|>" + answer, NAMES).calls[0].arguments == {}
+
+
+def test_prose_after_mistral_calls_is_dropped_in_both_forms() -> None:
+    v3 = '[TOOL_CALLS][{"name": "search", "arguments": {"q": "tower"}}] Let me know!'
+    v11 = '[TOOL_CALLS]search[ARGS]{"q": "tower"} Let me know!'
+    for text in (v3, v11):
+        parsed = MistralFamily().parse("Sure." + text, NAMES)
+        assert parsed.content == "Sure." and not parsed.invalid
+        assert [(c.name, c.arguments) for c in parsed.calls] == [("search", {"q": "tower"})]
+    # <|python_tag|> calls likewise; a second call after them is still read
+    llama = '<|python_tag|>{"name": "search", "parameters": {}}; '
+    llama += '{"name": "get_weather", "parameters": {}} Done.'
+    assert [c.name for c in LlamaFamily().parse(llama, NAMES).calls] == ["search", "get_weather"]

@@ -236,3 +236,25 @@ def test_concurrent_llama_index_chats_each_get_their_own_calls(tiny_loaded: Load
         t.join(timeout=60)
     queries = {i: json.loads(got[i]["tool_calls"][0]["function"]["arguments"]) for i in got}
     assert queries == {i: {"query": f"q{i}"} for i in range(n)}
+
+
+LONG = ("The tower was completed in 1889. " * 3200)[:100_000]  # a 100 KB argument
+
+
+@pytest.mark.parametrize(
+    ("family", "call"), [*CALLS.items(), *BARE.items()], ids=[*CALLS, *(f"{f} bare" for f in BARE)]
+)
+def test_a_100kb_argument_streams_as_generate_reads_it(
+    tiny_loaded: LoadedModel, family: str, call: str
+) -> None:
+    """The detectors read a stream once (the suite ``bench tools`` times them): a
+    call with a 100 KB argument, emitted token by token, is the same call streamed
+    or not, and no piece of it streams as text."""
+    output = call.replace('"tower"', json.dumps(LONG))
+    engine = _engine(family, tiny_loaded, output)
+    kw = dict(messages=MESSAGES, tools=[SEARCH_TOOL])
+    result = engine.generate(**kw)
+    job, streamed = engine.open_request(None, None, kw)
+    assert "".join(job(threading.Event())) == streamed.text == result.text == ""
+    assert streamed.tool_calls == result.tool_calls
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("search", {"query": LONG})]

@@ -19,7 +19,7 @@ from kvrag_integrations.engine.prompting.segments import TokenizedPrompt, cache_
 from kvrag_integrations.engine.results import GenerationResult
 from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
 from kvrag_integrations.vllm.client.remote import _sse_event
-from kvrag_integrations.vllm.client.turbo import account, load_run
+from kvrag_integrations.vllm.client.reuse import account, load_run
 from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 

@@ -147,13 +147,13 @@ def test_a_private_requests_prefix_and_glue_are_its_own_and_lead_the_load() -> N
     ready = Own(OWN, tail, frozenset(plan.glue))
     plan = stored.detector().detect(FP, p, False, ready)
     assert plan.load_end == len(p) - len(TAIL)
-    assert plan.load[0] == PieceSpec(0, first, tail, private=True)
+    assert plan.load[0] == PieceSpec(0, first, tail, own=True)
     for piece in plan.load:  # its own pieces end in its suffix; the passages are stored
-        if piece.private:
+        if piece.own:
             assert piece.entry_ids(p)[-24:] == list(tail)
         else:
             assert cache_key(FP, piece.entry_ids(p)) in stored.keys
-    assert [q.private for q in plan.load] == [True, False, True, False]
+    assert [q.own for q in plan.load] == [True, False, True, False]
     # too little found after a long prefix is not worth its encode
     short = HEAD + ids(60) + GLUE + PASSAGES[2][:40] + ids(80)
     assert stored.detector().detect(FP, short, False, own).prefix == 0

@@ -199,10 +199,81 @@ def test_api_keys_guard_every_route_as_the_key_files_do(monkeypatch: pytest.Monk
     assert call(door, "/invocations", {"prompt": "hi"}, "sk-vllm")[0] == 200
     admission = model.seen[-1][2].admission
     assert admission.tenant.namespace == "" and admission.role == "write"
-    assert not admission.keeps and admission.private is not None  # what it sends: its own
+    assert not admission.keeps and admission.own is not None  # what it sends: its own
     assert call(door, METRICS, None, "sk-vllm", method="GET")[0] == 401
     monkeypatch.setenv("VLLM_API_KEY", "sk-env")  # vLLM's variable counts too
     assert call(TenantGateway(Model()), "/tokenize", {}, "sk-env")[0] == 200
+
+
+def test_each_api_key_has_a_prefix_cache_of_its_own_unless_its_namespace_is_shared(
+    keys: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 59 hole 1: every ``--api-key`` holder, and every key of the shared
+    namespace, had the same exact ``cache_salt``, so they shared vLLM's prefix cache
+    and could confirm each other's text by ``cached_tokens`` or timing. Each has a
+    salt of its own now; the keys of one namespace of the key file share theirs
+    (the file says they share: they share its entries too)."""
+    monkeypatch.setenv(API_KEYS_ENV, json.dumps([ApiKeys.digest_of(k) for k in ("a", "b")]))
+    model = Model()
+    door = TenantGateway(model)
+    salts = {}
+    for key in ("a", "b"):
+        assert call(door, "/v1/completions", {"prompt": "hi"}, key)[0] == 200
+        salts[key] = model.seen[-1][2].admission.tenant.salt
+    assert salts["a"] != salts["b"] and salts["a"] is not None
+    monkeypatch.delenv(API_KEYS_ENV)
+    shared = {"sk-ops": {"namespace": "", "role": "admin"}, "sk-ops-2": {"namespace": ""}}
+    team = {"sk-a1": {"namespace": "team-a"}, "sk-a2": {"namespace": "team-a"}}
+    keys.write_text(json.dumps({"keys": {**shared, **team}}))
+    door = TenantGateway(model)
+    for key in ("sk-ops", "sk-ops-2", "sk-a1", "sk-a2"):
+        assert call(door, "/v1/completions", {"prompt": "hi"}, key)[0] == 200
+        salts[key] = model.seen[-1][2].admission.tenant.salt
+    assert salts["sk-ops"] != salts["sk-ops-2"]
+    assert (
+        salts["sk-a1"] == salts["sk-a2"] == Tenant.of_key_namespace("team-a", SECRET.encode()).salt
+    )
+    assert len({salts[k] for k in ("a", "b", "sk-ops", "sk-ops-2", "sk-a1")}) == 5
+
+
+@pytest.mark.parametrize("root", ["/m", "/metr", "/metrics", "/x"])
+def test_the_metrics_are_closed_under_any_root_path(root: str) -> None:
+    """Issue 59 hole 6: with ``--root-path /m`` the gateway took ``/m`` off
+    ``/metrics`` as a bare prefix (``etrics``: an open route) where Starlette, which
+    takes a root path off only before a ``/``, routes it to the metrics."""
+    door = TenantGateway(Model())
+    for path in ("/metrics", "/metrics/", root + "/metrics"):
+        scope_path = {"path": path, "root_path": root}
+        status = call_scope(door, scope_path)
+        assert status == 401, (root, path)
+
+
+def test_a_cors_preflight_passes_as_vllm_lets_it(keys: Path) -> None:
+    """Issue 59 hole 6: once keys are required, a browser's CORS preflight (an
+    ``OPTIONS`` with no key) got 401 where vLLM's own key check lets it by; the
+    metrics stay closed to it."""
+    model = Model()
+    door = TenantGateway(model)
+    preflight = [(b"origin", b"https://app"), (b"access-control-request-method", b"POST")]
+    status, _ = call(door, "/v1/completions", None, method="OPTIONS", headers=preflight)
+    assert status == 200 and model.seen[-1][0]["method"] == "OPTIONS"
+    assert call(door, "/v1/completions", {"prompt": "hi"})[0] == 401  # a POST still needs one
+    assert call(door, METRICS, None, method="OPTIONS", headers=preflight)[0] == 401
+
+
+def call_scope(door: Any, extra: dict) -> int:
+    """A GET with ``extra`` in its scope (a root path): its status."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "headers": [], "app": server_state(), **extra}
+    asyncio.run(door(scope, receive, send))
+    return sent[0]["status"]
 
 
 def test_a_keyed_request_is_admitted_as_its_keys_tenant_whatever_it_sends(keys: Path) -> None:
@@ -220,7 +291,8 @@ def test_a_keyed_request_is_admitted_as_its_keys_tenant_whatever_it_sends(keys: 
         assert admission.key == key_digest("sk-team-a", SECRET.encode())
         # the connector's policy, reading the same key file, admits it
         rules = server_state().state.kvrag_policy
-        assert rules.verified(admission.signed(SECRET.encode())) == admission
+        bound = admission.bound([1, 2])
+        assert rules.verified(bound.signed(SECRET.encode()), [1, 2]) == bound
         assert int(dict(scope["headers"]).get(b"content-length", len(sent))) == len(sent)
 
 
@@ -233,7 +305,7 @@ def test_a_keyless_request_is_anonymous_or_its_salts_tenant(keys: Path) -> None:
     call(door, "/v1/completions", {"prompt": "hi", "prompt_cache_key": "alice"})
     second = model.seen[-1][2].admission
     assert first.tenant.salt.startswith(ANON_SALT_PREFIX) and first.tenant != second.tenant
-    assert first.private is not None and not first.keeps
+    assert first.own is not None and not first.keeps
     call(door, "/v1/completions", {"prompt": "hi", "cache_salt": "team-c"})
     assert model.seen[-1][2].admission.tenant == Tenant.of_salt("team-c")
 
@@ -301,15 +373,15 @@ def test_a_revoked_keys_admission_stops_counting_at_once(keys: Path) -> None:
     door = TenantGateway(model)
     app = server_state()
     assert call(door, "/v1/completions", {"prompt": "hi"}, "sk-team-a", app=app)[0] == 200
-    signed = model.seen[-1][2].admission.signed(SECRET.encode())
+    signed = model.seen[-1][2].admission.bound([1]).signed(SECRET.encode())
     rules = app.state.kvrag_policy
-    assert rules.verified(signed) is not None
+    assert rules.verified(signed, [1]) is not None
     revoked = {**KEYS, "keys": {"sk-ops": KEYS["keys"]["sk-ops"]}}
     keys.write_text(json.dumps(revoked, indent=1))  # (another size: seen as changed)
     os.utime(keys, ns=(1, 1))
     assert call(door, "/v1/completions", {"prompt": "hi"}, "sk-team-a", app=app)[0] == 401
     with pytest.raises(ValueError, match="key file"):
-        rules.verified(signed)
+        rules.verified(signed, [1])
     keys.write_text("{not json")  # a broken file admits nobody
     assert call(door, "/v1/completions", {"prompt": "hi"}, "sk-ops", app=app)[0] == 401
 
@@ -360,10 +432,34 @@ def test_serve_names_the_risks_and_the_stricter_role(
     assert "--api-key sk-1 sk-2" in capsys.readouterr().out  # vLLM's own check stays
     seen = {}
     monkeypatch.setattr(
-        "kvrag_integrations.vllm.server.serve.os.execvpe", lambda c, a, env: seen.update(env)
+        "kvrag_integrations.vllm.server.command.os.execvpe", lambda c, a, env: seen.update(env)
     )
-    monkeypatch.setattr("kvrag_integrations.vllm.server.serve._size_budget", lambda store: 10**9)
+    monkeypatch.setattr("kvrag_integrations.vllm.server.command._size_budget", lambda store: 10**9)
     serve.main(["--store", f"disk:{tmp_path}", "--", "--api-key", "sk-3"])  # after "--" too
     assert json.loads(seen["KVRAG_API_KEYS"]) == [ApiKeys.digest_of("sk-3")]
     with pytest.raises(SystemExit):
         serve.main([*args, "--api-key", "sk-1", "--tenant-keys", str(keys)])
+
+
+def test_the_key_file_is_read_alike_by_replicas_started_either_side_of_an_edit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 59 hole 8: ``serve`` folded the key file's ``anonymous`` role and its
+    quotas into the command at launch, though every process re-reads the file: two
+    replicas started either side of an edit disagreed. The command names the file
+    only; the gateway and the connector read all of it as it is now."""
+    from kvrag_integrations.vllm import launch, serve
+
+    monkeypatch.setattr(launch, "served_checkpoint", lambda model: (str(tmp_path), "tiny"))
+    # (a CPU's KV cache is sized from the memory available at launch, which moves)
+    monkeypatch.setattr(launch, "cpu_kv_cache_bytes", lambda: 2**30)
+    keys = tmp_path / "keys.json"
+    args = ["--store", f"disk:{tmp_path}", "--print-command", "--tenant-keys", str(keys)]
+    commands = []
+    for anonymous, quota in (("write", 10**6), ("read", 10**9)):
+        sk_a = {"namespace": "team-a", "role": "write", "quota_bytes": quota}
+        keys.write_text(json.dumps({"keys": {"sk-a": sk_a}, "anonymous": anonymous}))
+        serve.main(args)
+        commands.append(capsys.readouterr().out)
+    assert commands[0] == commands[1]
+    assert '"client_role":"write"' in commands[0] and '"namespace_quotas":{}' in commands[0]

@@ -134,3 +134,19 @@ def test_a_disk_stores_entries_are_read_on_threads_and_a_corrupt_one_is_a_miss(
         [moved(first.keys[1], 0), moved(second.keys[1], 3), moved(third.keys[1], 7)], 1
     )
     torch.testing.assert_close(keys.transpose(0, 1), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+def test_reading_whole_blocks_through_strides_reads_what_the_probe_map_reads(
+    to_host: bool,
+) -> None:
+    """A blend reads a run's K/V back per layer: through the strided views where the
+    layout is affine, each token exactly where the probed map says it is."""
+    layer = SimpleNamespace(impl=FakeImpl())
+    paged = PagedLayout.probe(layer, cache(), DIM)
+    assert paged.direct is not None
+    by_map = dataclasses.replace(paged, direct=None)
+    kv = torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM)
+    slots = torch.tensor([5 * BLOCK + 2, 5 * BLOCK + 3, 1 * BLOCK, 9 * BLOCK + 1, 3, 0])
+    for a, b in zip(paged.read(kv, slots, to_host=to_host), by_map.read(kv, slots)):
+        assert torch.equal(a, b)

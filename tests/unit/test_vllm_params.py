@@ -11,10 +11,10 @@ from kvrag_integrations.errors import KVRAGError
 from kvrag_integrations.vllm.params import (
     PARAMS_KEY,
     PieceSpec,
-    Reply,
     TransferParams,
     TransferParamsError,
 )
+from kvrag_integrations.vllm.reply import Reply
 from kvrag_integrations.vllm.trust import TURBO_SALT_PREFIX as SALT_PREFIX
 
 RUN = (PieceSpec(0, 41), PieceSpec(41, 590), PieceSpec(631, 582, (1116,)))
@@ -77,9 +77,9 @@ def test_the_salt_names_the_layout_not_only_the_tokens() -> None:
     assert TransferParams(load=moved).salt() != salt  # same tokens, other boundaries
     assert TransferParams(load=RUN[:2]).salt() != salt
     assert TransferParams().salt() is None  # an exact request has none
-    tenant = TransferParams(load=RUN, tenant="team-a").salt()
+    tenant = TransferParams(load=RUN, tenant_salt="team-a").salt()
     assert tenant != salt and tenant.startswith(SALT_PREFIX)  # tenants never share blocks
-    assert TransferParams(tenant="team-a").salt() == "team-a"  # its exact requests: its salt
+    assert TransferParams(tenant_salt="team-a").salt() == "team-a"  # its exact requests: its salt
 
 
 def test_the_reply_is_read_back_from_an_output() -> None:

@@ -3,14 +3,16 @@
 A fake engine client's ``generate`` records what the hook hands on (the prompt
 with its salt, the params the connector reads) and stores what an encode saves
 as the connector's workers would (a private entry under its key only, never
-indexed). The admission is the gateway's where a request passed it
-(``arrival.ARRIVAL``), else one the hook makes; the connector's own check of it
-is ``ClientPolicy.verified``, as the scheduler side runs it.
+indexed). The admission is the gateway's (``arrival.ARRIVAL``: ``run`` makes it
+as the gateway does, from the request's body, where a test gives none); the
+connector's own check of it is ``ClientPolicy.verified``, as the scheduler side
+runs it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +23,7 @@ from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.vllm.admission import Admission, ClientPolicy
 from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
-from kvrag_integrations.vllm.server.arrival import ARRIVAL, Arrival, BadRequest
+from kvrag_integrations.vllm.server.arrival import ARRIVAL, Arrival, BadRequest, read_body
 from kvrag_integrations.vllm.server.reuse_hook import ReuseHook
 from kvrag_integrations.vllm.trust import ANON_SALT_PREFIX, Grant, Tenant, request_salt
 
@@ -47,8 +49,8 @@ class Engine:
         if request_id.startswith("kvrag-encode-") and sent is not None and sent.save:
             admission = Admission.verified(sent.admission, SECRET)
             entry = prompt["prompt_token_ids"]
-            if sent.private:
-                self.stored.keys.add(cache_key(admission.private.fingerprint(FP), entry))
+            if sent.own_save:
+                self.stored.keys.add(cache_key(admission.own.fingerprint(FP), entry))
             else:
                 self.stored.put(entry, admission.tenant.fingerprint(FP))
         yield SimpleNamespace(request_id=request_id)
@@ -76,12 +78,15 @@ def run(
     arrival: Arrival | None = None,
     **kw: Any,
 ) -> tuple[dict, Any, Admission]:
-    """One request through the hook (as the gateway hands it on, where ``arrival``):
-    what reached the engine, and the admission the connector verifies."""
+    """One request through the hook as the gateway hands it on (its ``arrival``, by
+    default the one the gateway makes of the body): what reached the engine, and
+    the admission the connector verifies."""
     engine_prompt = {"type": "token", "prompt_token_ids": prompt_ids}
     if salt:
         engine_prompt["cache_salt"] = salt
     params = SimpleNamespace(extra_args=extra, prompt_logprobs=kw.pop("prompt_logprobs", None))
+    if arrival is None:
+        arrival = gateway_arrival(hook.policy, salt, (extra or {}).get("kv_transfer_params"))
 
     async def go() -> None:
         token = ARRIVAL.set(arrival)
@@ -96,6 +101,20 @@ def run(
     asyncio.run(go())
     admission = Admission.verified(sent_params(params).admission, SECRET)
     return engine_prompt, params, admission
+
+
+def gateway_arrival(rules: ClientPolicy, salt: str | None, transfer: Any = None) -> Arrival:
+    """The arrival the gateway makes of a keyless request's body (``read_body``, then
+    ``ClientPolicy.admit``)."""
+    body: dict[str, Any] = {"prompt": "x"}
+    if salt is not None:
+        body["cache_salt"] = salt
+    if transfer is not None:
+        body["kv_transfer_params"] = transfer
+    arrival = read_body(json.dumps(body).encode())
+    tenant_salt = arrival.params.tenant_salt if arrival.params is not None else ""
+    admission = rules.admit(None, arrival.cache_salt, tenant_salt)
+    return Arrival(arrival.cache_salt, arrival.params, admission)
 
 
 def test_at_the_defaults_an_anonymous_request_reads_ingested_passages_its_texts_its_own() -> None:
@@ -127,7 +146,7 @@ def test_at_the_defaults_an_anonymous_request_reads_ingested_passages_its_texts_
         own = [s[0]["prompt_token_ids"] for s in engine.encodes()]
         tail = sent.load[0].tail
         assert own == [p[: p.index(PASSAGES[1][0])] + list(tail), GLUE + list(tail)]
-        assert [q.private for q in sent.load] == [True, False, True, False, True, False]
+        assert [q.own for q in sent.load] == [True, False, True, False, True, False]
         assert all(s[0]["cache_salt"] == admission.tenant.salt for s in engine.encodes())
         # the connector admits the load: the salt is the one of its tenant and layout
         assert engine_prompt["cache_salt"] == request_salt(admission.tenant, sent.layout)
@@ -148,7 +167,7 @@ def course(engine: Engine, params: Any) -> list[Any]:
     and saves, and its load's layout."""
     sent = sent_params(params)
     steps = [(len(s[0]["prompt_token_ids"]), sent_params(s[1]).save) for s in engine.encodes()]
-    layout = [(q.start, q.rows, q.lead, q.private, len(q.tail)) for q in sent.load]
+    layout = [(q.start, q.rows, q.lead, q.own, len(q.tail)) for q in sent.load]
     return [steps, layout, sent.save]
 
 
@@ -212,7 +231,10 @@ def test_the_gateways_admission_is_the_one_the_request_carries() -> None:
     engine_prompt, _params, admission = run(
         hook, ids(100), salt="mine", arrival=Arrival("mine", None, keyed)
     )
-    assert admission == keyed
+    from kvrag_integrations.vllm.admission import ADMISSION_TTL_S
+
+    bound = keyed.bound(engine_prompt["prompt_token_ids"], now=admission.expires - ADMISSION_TTL_S)
+    assert admission == bound
     assert engine_prompt["cache_salt"] == Tenant.of_key_namespace("team-a", SECRET).salt
 
 
@@ -229,7 +251,7 @@ def test_a_clients_own_admission_or_a_prompt_without_a_salt_is_refused() -> None
         async for _ in hook.generate(prompt, sampling, "r"):
             pass
 
-    with pytest.raises(BadRequest, match="cannot be admitted"):
+    with pytest.raises(BadRequest, match="cannot carry a salt"):
         asyncio.run(go([1, 2, 3]))
     with pytest.raises(TransferParamsError, match="must not start with 'kvrag-'"):
         run(hook, ids(100), salt="kvrag-anon-mine")  # (a ValueError: vLLM answers 400)
@@ -293,22 +315,22 @@ def test_a_tenant_learns_its_prompt_and_glue_and_a_reader_stores_nothing() -> No
     hook, engine = hook_over(stored, policy(share=True))  # anonymous callers share
     p = prompt([1, 3, 0], ids(12))
     _, params, admission = run(hook, p)
-    assert admission.keeps and admission.private is None
+    assert admission.keeps and admission.own is None
     # the prompt's unknown prefix up to the first passage (exact) and the glue, learned
     # (indexed, in the namespace) first; then the request loads them with the passages
     assert [s[0]["prompt_token_ids"] for s in engine.encodes()] == [p[:42], GLUE]
-    assert not any(sent_params(s[1]).private for s in engine.encodes())
+    assert not any(sent_params(s[1]).own_save for s in engine.encodes())
     assert (FP, p[:42]) in stored.index and (FP, GLUE) in stored.index
     assert engine.seen[-1][2] == "r1"  # the glue first: the request was planned after it
     sent = sent_params(params)
-    assert sent.load_end == len(p) - 12 - len(TAIL) and not any(q.private for q in sent.load)
+    assert sent.load_end == len(p) - 12 - len(TAIL) and not any(q.own for q in sent.load)
     # a prompt with little stored is learned whole (exact, under the shared salt: none)
     engine_prompt, params, _ = run(hook, ids(400))
     assert sent_params(params).save == (PieceSpec(0, 400),) and "cache_salt" not in engine_prompt
     # a reader teaches nothing
     hook, engine = hook_over(stored, policy("read"))
     _, params, admission = run(hook, prompt([3, 1, 0], ids(12)))
-    assert not engine.encodes() and not sent_params(params).save and admission.private is None
+    assert not engine.encodes() and not sent_params(params).save and admission.own is None
 
 
 def test_a_request_right_after_a_learning_one_waits_for_its_prompt_to_land() -> None:
@@ -329,8 +351,12 @@ def test_a_request_right_after_a_learning_one_waits_for_its_prompt_to_land() -> 
             stored.put(first)
 
         landing = asyncio.create_task(land())
-        async for _ in hook.generate(engine_prompt, sampling, "r2"):
-            pass
+        token = ARRIVAL.set(gateway_arrival(hook.policy, None))
+        try:
+            async for _ in hook.generate(engine_prompt, sampling, "r2"):
+                pass
+        finally:
+            ARRIVAL.reset(token)
         await landing
 
     asyncio.run(go())
@@ -359,8 +385,8 @@ def test_an_anonymous_agents_prefix_is_its_own_and_its_passages_load() -> None:
         own = engine.encodes()[0]
         entry = own[0]["prompt_token_ids"]
         assert entry[:first] == p[:first] and len(entry) == first + 24
-        assert sent_params(own[1]).private and own[0]["cache_salt"] == admission.tenant.salt
-        assert sent.load[0] == PieceSpec(0, first, tuple(entry[first:]), private=True)
+        assert sent_params(own[1]).own_save and own[0]["cache_salt"] == admission.tenant.salt
+        assert sent.load[0] == PieceSpec(0, first, tuple(entry[first:]), own=True)
         assert sent.load_end == len(p) - len(TAIL)
         assert engine_prompt["cache_salt"] == request_salt(admission.tenant, sent.layout)
         assert entry in forgotten  # answered: dropped
@@ -370,3 +396,188 @@ def test_an_anonymous_agents_prefix_is_its_own_and_its_passages_load() -> None:
     hook, engine = hook_over(stored, policy("read"))
     _, params, _ = run(hook, p)
     assert not engine.encodes() and sent_params(params).load == ()
+
+
+def test_a_request_that_did_not_pass_the_gateway_is_refused() -> None:
+    """Issue 59 hole 9: the hook made an admission of its own for a request that did
+    not pass the gateway (a second path, deriving the role otherwise). The one
+    path is the gateway's: without its admission a request is refused."""
+    stored = Stored()
+    hook, engine = hook_over(stored)
+    sampling = SimpleNamespace(extra_args=None, prompt_logprobs=None)
+
+    async def go() -> None:
+        async for _ in hook.generate({"type": "token", "prompt_token_ids": ids(50)}, sampling, "r"):
+            pass
+
+    with pytest.raises(BadRequest, match="did not pass the server's gateway"):
+        asyncio.run(go())
+    assert not engine.seen
+
+
+def test_one_api_request_is_planned_once_whatever_calls_it_makes() -> None:
+    """Issue 59 hole 3: vLLM's beam search calls ``generate`` once per beam and step
+    under one admission, and each call was planned again (its glue and head encoded
+    again, under a fresh secret suffix): 4 beams x 5 steps were 20 plans and 40
+    encodes. The first call plans; the others (the prompt and a beam's tokens)
+    reuse its load and encode nothing."""
+    stored = Stored()
+    for passage in PASSAGES:
+        stored.put(passage)
+    hook, engine = hook_over(stored)
+    p = prompt([1, 3, 0], ids(12))
+    arrival = gateway_arrival(hook.policy, None)
+    loads = []
+
+    async def go() -> None:
+        token = ARRIVAL.set(arrival)
+        try:
+            for step in range(5):
+                for beam in range(4):
+                    beam_ids = p + [100 + beam] * step
+                    sampling = SimpleNamespace(extra_args=None, prompt_logprobs=None)
+                    request = {"type": "token", "prompt_token_ids": beam_ids}
+                    async for _ in hook.generate(request, sampling, f"r-{beam}-{step}"):
+                        pass
+                    loads.append(sent_params(sampling).load)
+                    signed = sent_params(sampling).admission  # bound to this call's ids
+                    assert hook.policy.verified(signed, beam_ids).tenant == arrival.admission.tenant
+        finally:
+            ARRIVAL.reset(token)
+
+    asyncio.run(go())
+    assert len(engine.encodes()) == 2  # its head and its glue, once
+    assert loads[0] and all(load == loads[0] for load in loads)
+
+
+def test_one_tenants_encodes_leave_room_for_anothers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 59 hole 12: one cap of 16 encodes in flight for all tenants: one
+    tenant's glue could take them all and starve everyone's. Each tenant (a key
+    namespace, a key of the shared namespace, every keyless caller together) has
+    ``MAX_TENANT_ENCODES`` of its own."""
+    from kvrag_integrations.vllm.server import encodes, reuse_hook
+
+    monkeypatch.setattr(reuse_hook, "GLUE_WAIT_S", 0.01)
+    monkeypatch.setattr(reuse_hook, "PREFIX_WAIT_S", 0.01)
+    monkeypatch.setattr(reuse_hook, "STORED_WAIT_S", 0.01)
+    stored = Stored()
+    for namespace in ("team-a", "team-b"):  # what each team ingested, in its namespace
+        for passage in PASSAGES:
+            stored.put(passage, Tenant.of_key_namespace(namespace, SECRET).fingerprint(FP))
+    held = Engine(stored)
+    release = None
+
+    async def slow(prompt, sampling_params, request_id, **kwargs):  # encodes stay in flight
+        if request_id.startswith("kvrag-encode-"):
+            await release.wait()
+        async for output in held.generate(prompt, sampling_params, request_id, **kwargs):
+            yield output
+
+    hook = ReuseHook(slow, stored.detector(), policy(), SimpleNamespace)
+    rules = hook.policy
+
+    def keyed(namespace: str) -> Arrival:
+        digest = f"digest-{namespace}"
+        return Arrival(None, None, rules.admit(Grant(namespace, "write", digest, digest), None))
+
+    async def go() -> None:
+        nonlocal release
+        release = asyncio.Event()
+        # two encodes each (its head and its glue): 18 for team-a, then 2 for team-b
+        for i, namespace in enumerate(["team-a"] * 9 + ["team-b"]):
+            token = ARRIVAL.set(keyed(namespace))
+            try:
+                p = prompt([1, 3, 0], ids(12), glue=[198, 500 + i])
+                sampling = SimpleNamespace(extra_args=None, prompt_logprobs=None)
+                request = {"type": "token", "prompt_token_ids": p}
+                async for _ in hook.generate(request, sampling, "r"):
+                    pass
+            finally:
+                ARRIVAL.reset(token)
+        await asyncio.sleep(0.05)
+        release.set()
+        await hook.drain()
+
+    asyncio.run(go())
+    by_tenant: dict[str, int] = {}
+    for _, sampling, _ in held.encodes():
+        admission = Admission.verified(sent_params(sampling).admission, SECRET)
+        by_tenant[admission.name] = by_tenant.get(admission.name, 0) + 1
+    assert by_tenant["team-a"] == encodes.MAX_TENANT_ENCODES
+    assert by_tenant.get("team-b", 0) == 2
+
+
+def test_the_hook_is_installed_or_no_request_passes_and_the_server_stops() -> None:
+    """Issue 59 hole 9: the installer marked itself installed before installing, so
+    where installing failed on a request rather than at startup, later requests ran
+    without the hook (no salt, no admission). Now no request passes until it is
+    installed; a failure at startup fails the startup (uvicorn exits), one at a
+    request stops the server, and every request is answered 503 meanwhile."""
+    from kvrag_integrations.vllm.server.startup import ReuseInstaller
+
+    transfer = SimpleNamespace(kv_connector="KVRAGConnector", kv_connector_extra_config={})
+    broken = SimpleNamespace(  # our connector, settings that do not load (no store)
+        vllm_config=SimpleNamespace(kv_transfer_config=transfer), generate=None
+    )
+    reached: list[str] = []
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        reached.append(scope["type"])
+
+    def served(installer: ReuseInstaller, kind: str, state: Any) -> list[dict]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "lifespan.startup"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": kind, "method": "GET", "path": "/v1/models", "headers": []}
+        scope["app"] = SimpleNamespace(state=state)
+        asyncio.run(installer(scope, receive, send))
+        return sent
+
+    stops: list[bool] = []
+    installer = ReuseInstaller(app)
+    installer.stop = lambda: stops.append(True)  # type: ignore[method-assign]
+    starting = SimpleNamespace()  # no engine client yet
+    assert served(installer, "http", starting)[0]["status"] == 503 and not reached
+    for _ in range(2):  # installing fails at a request: it stops the server, none passes
+        assert served(installer, "http", SimpleNamespace(engine_client=broken))[0]["status"] == 503
+    assert stops == [True] and not reached
+    at_start = ReuseInstaller(app)
+    sent = served(at_start, "lifespan", SimpleNamespace(engine_client=broken))
+    assert sent[0]["type"] == "lifespan.startup.failed" and "store" in sent[0]["message"]
+    assert not reached
+    without = SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=None))
+    plain = ReuseInstaller(app)  # a server without our connector: nothing to install
+    served(plain, "http", SimpleNamespace(engine_client=without))
+    assert reached == ["http"]
+
+
+def test_a_blend_servers_plain_requests_load_as_blend_each_under_a_nonce_of_its_own() -> None:
+    """``serve --reuse blend``: a plain client's load is blended (a fresh nonce in its
+    layout: its salt, and the blocks its recompute writes, are its own, even for a
+    keyed tenant's two identical requests); a request may ask for turbo."""
+    team = Tenant.of_salt("team-secret")
+    stored = Stored()
+    for passage in PASSAGES:
+        stored.put(passage, team.fingerprint(FP))  # what the team ingested
+    engine = Engine(stored)
+    hook = ReuseHook(engine.generate, stored.detector(), policy(), SimpleNamespace, reuse="blend")
+    p = prompt([1, 3, 0], ids(12))
+    keyed = Arrival("", None, Admission(team, "write", keeps=True))
+    seen = []
+    for _ in range(2):
+        engine_prompt, params, admission = run(hook, p, arrival=keyed)
+        sent = sent_params(params)
+        assert sent.reuse == "blend" and sent.blend is not None and len(sent.blend.nonce) >= 16
+        assert engine_prompt["cache_salt"] == request_salt(admission.tenant, sent.layout)
+        seen.append((sent.blend.nonce, engine_prompt["cache_salt"]))
+    assert seen[0][0] != seen[1][0] and seen[0][1] != seen[1][1]
+    # (the gateway read the body's kv_transfer_params into the arrival)
+    asked = Arrival("", TransferParams(reuse="turbo"), keyed.admission)
+    _, params, _ = run(hook, p, arrival=asked)
+    sent = sent_params(params)
+    assert sent.reuse == "turbo" and sent.blend is None and sent.load

@@ -8,16 +8,18 @@ is a set of keys. The vLLM lane runs the same code inside vLLM
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from kvrag_integrations.chunk_kv import cache_key
+from kvrag_integrations.engine.blend_settings import BlendSettings
 from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.vllm.admission import Admission, ClientPolicy
 from kvrag_integrations.vllm.connector.scheduler_side import SchedulerSide
-from kvrag_integrations.vllm.params import PieceSpec, TransferParams
+from kvrag_integrations.vllm.params import BlendRequest, PieceSpec, TransferParams
 from kvrag_integrations.vllm.trust import Grant, Tenant, key_digest, request_salt
 
 FP = "fp+kv-float16"
@@ -44,9 +46,9 @@ def request(
 ) -> SimpleNamespace:
     """A request as vLLM hands it: with the admission the server's door signed, and
     by default with the salt the server's hook sets for it."""
-    if admission is not None:
-        params = replace(params, admission=admission.signed(SECRET))
-    tenant = admission.tenant if admission is not None else Tenant.of_salt(params.tenant)
+    if admission is not None:  # (bound to its prompt, as the hook signs it)
+        params = replace(params, admission=admission.bound(prompt).signed(SECRET))
+    tenant = admission.tenant if admission is not None else Tenant.of_salt(params.tenant_salt)
     return SimpleNamespace(
         request_id=rid,
         prompt_token_ids=prompt,
@@ -136,7 +138,7 @@ def test_a_save_waits_for_the_whole_prompt_chunked_prefill_included() -> None:
     assert (reply.keys, reply.stored, reply.fingerprint) == ([key(piece)], 1, FP)
 
 
-ANONYMOUS = Admission(Tenant("", "kvrag-anon-1"), "write", private=Tenant("own", "kvrag-anon-1"))
+ANONYMOUS = Admission(Tenant("", "kvrag-anon-1"), "write", own=Tenant("own", "kvrag-anon-1"))
 
 
 def test_a_private_entry_is_the_requests_own_and_not_indexed() -> None:
@@ -144,7 +146,7 @@ def test_a_private_entry_is_the_requests_own_and_not_indexed() -> None:
     is stored as any whole prompt is, in the request's private namespace, and its
     save tells the workers not to announce it; its loads read it from there."""
     s = side(set())
-    own = TransferParams(save=(PieceSpec(0, 300),), private=True)
+    own = TransferParams(save=(PieceSpec(0, 300),), own_save=True)
     s.matched_tokens(request("p", own, admission=ANONYMOUS), 0)
     s.matched_tokens(request("o", TransferParams(save=(PieceSpec(0, 300),))), 0)
     saves = s.step([("p", 0, 300), ("o", 0, 300)]).saves
@@ -155,7 +157,7 @@ def test_a_private_entry_is_the_requests_own_and_not_indexed() -> None:
     with pytest.raises(TransferParamsError, match="private applies to a save"):
         TransferParams.from_request({"kvrag": {"private": True}})
     # a load reads its private pieces from there, the others from its tenant's
-    run = (replace(RUN[0], private=True), *RUN[1:])
+    run = (replace(RUN[0], own=True), *RUN[1:])
     stored = side({cache_key(private, RUN[0].entry_ids(PROMPT)), *(key(p) for p in RUN[1:])})
     req = request("l", TransferParams(load=run), admission=ANONYMOUS)
     stored.allocated(req, stored.matched_tokens(req, 0))
@@ -298,29 +300,39 @@ def test_tenants_see_only_their_own_entries() -> None:
 
 def test_an_admission_counts_only_when_signed_with_the_servers_secret() -> None:
     """The door's admission is the one a request is planned by: one that does not
-    verify (forged, unsigned, signed with another secret, or a field changed) loads
-    and stores nothing; the client's own ``tenant`` decides nothing."""
+    verify (forged, unsigned, signed with another secret, or a field changed), or
+    that was signed for another request or has expired, loads and stores nothing;
+    the client's own ``tenant`` decides nothing."""
     tenant = Tenant.of_key_namespace("team-a", SECRET)
     digest = key_digest("sk-team-a", SECRET)
     keys = {digest: Grant("team-a", "write")}
     s = side(set(), policy=policy(keys=keys.get))
     piece = PieceSpec(0, 300)
     admitted = Admission(tenant, "write", True, None, digest, "team-a")
-    signed = admitted.signed(SECRET)
+    signed = admitted.bound(PROMPT).signed(SECRET)
+    from kvrag_integrations.vllm.admission import ADMISSION_TTL_S
+
+    late = time.time() - ADMISSION_TTL_S - 1
     cases = {
         "signed": signed,
         "forged": {**signed, "mac": "0" * 64},
-        "other secret": admitted.signed(b"not-ours"),
+        "other secret": admitted.bound(PROMPT).signed(b"not-ours"),
         "raised": {**signed, "role": "admin"},
         "none": None,
+        # issue 59 hole 7: an admission replayed on another request, or expired
+        "another request": admitted.bound(PROMPT[1:]).signed(SECRET),
+        "expired": admitted.bound(PROMPT, now=late).signed(SECRET),
     }
     for rid, raw in cases.items():
-        params = TransferParams(save=(piece,), admission=raw, tenant="team-a")
+        params = TransferParams(save=(piece,), admission=raw, tenant_salt="team-a")
         s.matched_tokens(request(rid, params, salt=tenant.salt, admission=None), 0)
     saves = s.step([(rid, 0, 300) for rid in cases]).saves
     assert [op.request_id for op in saves] == ["signed"]
     assert saves[0].pieces[0].namespace == tenant.namespace
-    assert all("no admission" in s.finished(rid).refused for rid in list(cases)[1:])
+    refused = {rid: s.finished(rid).refused for rid in list(cases)[1:]}
+    assert "another request" in refused.pop("another request")
+    assert "expired" in refused.pop("expired")
+    assert all("no admission" in why for why in refused.values())
 
 
 def test_a_revoked_or_changed_keys_admission_stops_counting() -> None:
@@ -343,3 +355,105 @@ def test_a_revoked_or_changed_keys_admission_stops_counting() -> None:
     saves = s.step([(rid, 0, 300) for rid in cases]).saves
     assert [op.request_id for op in saves] == ["now"]
     assert all("key file" in s.finished(rid).refused for rid in ("changed", "revoked"))
+
+
+# ---------------------------------------------------------------- blend
+NONCE = "n" * 32
+BLEND_RUN = (PieceSpec(0, 20), PieceSpec(20, 100, (7,)), PieceSpec(120, 6), PieceSpec(126, 150))
+
+
+def blend_side(
+    stored: set[str], reuse: str = "blend", calibrated: BlendSettings | None = None
+) -> SchedulerSide:
+    asked: list[tuple[float, str]] = []
+
+    def settings(tokens: float, context: str) -> BlendSettings | None:
+        asked.append((tokens, context))
+        return calibrated
+
+    s = SchedulerSide(
+        (FP,), stored.__contains__, lambda rid: [3, 5, 8], policy(), True, reuse, settings, 1
+    )
+    s.asked = asked  # type: ignore[attr-defined]
+    return s
+
+
+def blend_params(**options: object) -> TransferParams:
+    return TransferParams(
+        load=BLEND_RUN, reuse="blend", blend=BlendRequest(options=options, nonce=NONCE)
+    )
+
+
+def test_a_blend_load_hands_the_workers_its_spans_settings_and_question() -> None:
+    tuned = BlendSettings("alone", "query", 0.3)
+    s = blend_side({key(p) for p in BLEND_RUN}, calibrated=tuned)
+    req = request("b", blend_params())
+    external = s.matched_tokens(req, 0)
+    assert external == 276
+    s.allocated(req, external)
+    (load,) = s.step([("b", 276, 24)]).loads
+    op = load.blend
+    assert op is not None
+    assert op.exact == 20  # the leading piece: read at 0 from row 0, exact
+    assert op.texts == ((120, 126),)  # a short piece: text between passages
+    assert op.chunks == ((20, 120), (126, 276))
+    assert op.tail == tuple(PROMPT[276:])  # the question's ids, after the run
+    assert op.settings == tuned
+    assert s.asked == [(150, "alone")]  # the calibration asked for the chunks' median length
+    # the call's own options win over the calibrated ones
+    s2 = blend_side({key(p) for p in BLEND_RUN}, calibrated=tuned)
+    req2 = request("c", blend_params(recompute_ratio=1.0))
+    s2.allocated(req2, s2.matched_tokens(req2, 0))
+    (load2,) = s2.step([("c", 276, 24)]).loads
+    assert load2.blend is not None and load2.blend.settings.recompute_ratio == 1.0
+    assert load2.blend.settings.selection == "query"
+    # What it recomputes is known when the load is handed over (a request answered
+    # in that step is replied to before the workers report): every text row and all
+    # the chunk rows at ratio 1.
+    assert load2.blend.recomputed == 6 + 250
+    reply = s2.finished("c")
+    assert (reply.reuse, reply.blended, reply.loaded) == ("blend", 256, 276)
+
+
+def test_an_uncalibrated_model_blends_with_cacheblends_own_defaults() -> None:
+    s = blend_side({key(p) for p in BLEND_RUN})
+    req = request("d", blend_params())
+    s.allocated(req, s.matched_tokens(req, 0))
+    (load,) = s.step([("d", 276, 24)]).loads
+    assert load.blend is not None
+    assert load.blend.settings == BlendSettings("alone", "deviation", 0.15)
+
+
+def test_blend_is_refused_where_the_server_reuses_by_turbo_or_without_a_nonce() -> None:
+    turbo_server = blend_side({key(p) for p in BLEND_RUN}, reuse="turbo")
+    assert turbo_server.matched_tokens(request("e", blend_params()), 0) == 0
+    assert "reuse is turbo" in turbo_server.finished("e").refused
+    s = blend_side({key(p) for p in BLEND_RUN})
+    no_nonce = TransferParams(load=BLEND_RUN, reuse="blend", blend=BlendRequest())
+    assert s.matched_tokens(request("f", no_nonce), 0) == 0
+    assert "nonce" in s.finished("f").refused
+    bad = blend_params(recompute_ratio=3.0)
+    assert s.matched_tokens(request("g", bad), 0) == 0
+    assert "recompute_ratio" in s.finished("g").refused
+
+
+def test_a_blend_server_blends_a_request_that_names_no_reuse_and_turbos_one_that_does() -> None:
+    s = blend_side({key(p) for p in BLEND_RUN})
+    plain = TransferParams(
+        load=BLEND_RUN, blend=None
+    )  # (the server's reuse: blend, but no nonce: refused, never silently turbo)
+    assert s.matched_tokens(request("h", plain), 0) == 0
+    turbo = TransferParams(load=BLEND_RUN, reuse="turbo")
+    req = request("i", turbo)
+    s.allocated(req, s.matched_tokens(req, 0))
+    (load,) = s.step([("i", 276, 24)]).loads
+    assert load.blend is None
+
+
+def test_a_blend_salt_is_its_nonces() -> None:
+    a, b = (
+        blend_params(),
+        TransferParams(load=BLEND_RUN, reuse="blend", blend=BlendRequest(nonce="m" * 32)),
+    )
+    salts = {request_salt(Tenant(), p.layout) for p in (a, b, TransferParams(load=BLEND_RUN))}
+    assert len(salts) == 3  # two blend loads of one layout, and turbo: three salts

@@ -20,7 +20,8 @@ from kvrag_integrations.rerank import KVReranker
 from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
 from kvrag_integrations.vllm.client.scoring import collect, judge_score, query_score
 from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
-from kvrag_integrations.vllm.params import PARAMS_KEY, Reply, TransferParams
+from kvrag_integrations.vllm.params import PARAMS_KEY, TransferParams
+from kvrag_integrations.vllm.reply import Reply
 
 
 class _Tokenizer:
@@ -125,7 +126,7 @@ def test_a_tenant_scores_under_its_own_salts() -> None:
     vllm.score_documents([[5, 6]], [3], answer_ids=([10], [20]))
     for request in vllm.backend.requests:
         params = TransferParams.from_request(request.params)
-        assert params is not None and params.tenant == "team-a"
+        assert params is not None and params.tenant_salt == "team-a"
         assert request.salt == params.salt()
 
 

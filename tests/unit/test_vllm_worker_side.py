@@ -227,7 +227,7 @@ def test_saves_keep_the_store_within_its_budget() -> None:
         assert sum(e.nbytes for e in store.entries()) <= 3 * one
     assert side.budget is not None and side.budget.evicted >= 2  # the oldest went first
     assert store.contains(cache_key(FP, list(range(50, 58))))  # the newest stayed
-    assert not StoreBudget(store, max_bytes=one).admit(2 * one)  # never fits: skipped
+    assert not StoreBudget(store, max_bytes=one).allow_write(2 * one)  # never fits: skipped
 
 
 def test_a_learned_prompt_is_stored_after_the_step_and_announced_to_the_index() -> None:
@@ -260,3 +260,54 @@ def test_a_private_entry_is_stored_but_not_announced_to_the_index() -> None:
     op = SaveOp("p", (0, 1), (PieceOp(0, 6, (1, 2, 3, 4, 5, 6)),), indexed=False)
     assert side.save(op) == 1
     assert store.contains(cache_key(FP, [1, 2, 3, 4, 5, 6])) and log.read_new() == []
+
+
+def test_refused_writes_are_counted_logged_and_reach_the_metrics(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 59 hole 13: refused writes were invisible: the worker's INFO lines never
+    reached the server's log, and nothing counted them. The worker logs each (its
+    namespace's kind of id) and counts it by the writer's kind of namespace; vLLM
+    carries the counts to the API server (``get_kv_connector_stats``), whose
+    ``/metrics`` serves them (``build_prom_metrics``, where vLLM is installed)."""
+    from kvrag_integrations.store.quotas import Quotas
+    from kvrag_integrations.vllm.connector.stats import KVRAGStats, budget_counts, counted
+
+    store = MemoryKVStore()
+    one = entry(list(range(8))).nbytes + 4096
+    team = Tenant.of_key_namespace("team-a", b"x")
+    side = worker(store, StoreBudget(store, max_bytes=4 * one, quotas=Quotas(0.5)))
+    with caplog.at_level("INFO", logger="kvrag_integrations"):
+        for i in range(6):  # the team's quota holds two: the others evict its own, then
+            ids = tuple(range(10 * i, 10 * i + 8))
+            side.save(SaveOp(f"s{i}", (0, 1), (PieceOp(0, 8, ids, 0, team.namespace),)))
+        big = tuple(range(100, 124))  # more than its quota: refused
+        assert (
+            side.save(SaveOp("big", (0, 1, 2, 3, 4, 5), (PieceOp(0, 24, big, 0, team.namespace),)))
+            == 0
+        )
+    assert any("entry refused" in r.getMessage() for r in caplog.records)
+    stats = budget_counts(side.budget)  # (what the worker's connector reports)
+    assert stats["writes_refused:key"] == 1 and stats["entries_evicted"] >= 2
+    assert budget_counts(side.budget) == {"writes_refused:key": 0, "entries_evicted": 0}
+    reported = counted(stats)
+    assert isinstance(reported, KVRAGStats) and counted(budget_counts(side.budget)) is None
+    try:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+        from kvrag_integrations.vllm.connector.kv_connector import KVRAGConnector
+    except ImportError:  # no vLLM here: the counts above are what it carries
+        return
+    registry = CollectorRegistry()
+
+    class Registered(Counter):  # (a registry of the test's own)
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, registry=registry, **kwargs)
+
+    kinds = {Counter: Registered, Gauge: Gauge, Histogram: Histogram}
+    metrics = KVRAGConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None), kinds, ["engine"], {0: ["0"]}
+    )
+    metrics.observe(KVRAGConnector.build_kv_connector_stats(reported.data).data, 0)
+    text = generate_latest(registry).decode()
+    assert 'kvrag:store_writes_refused_total{engine="0",kind="key"} 1.0' in text

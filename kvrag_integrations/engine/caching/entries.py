@@ -17,7 +17,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV
-from kvrag_integrations.engine.prompting.segments import Piece, TokenizedPrompt
+from kvrag_integrations.engine.prompting.segments import (
+    CHUNK_CONTEXTS,
+    DEFAULT_CHUNK_CONTEXT,
+    Piece,
+    TokenizedPrompt,
+)
 from kvrag_integrations.store import KVStore
 
 # Encoded after every chunk: the separator our prompts, LlamaIndex's and
@@ -33,14 +38,6 @@ class ChunkRef:
 
     key: str
     num_tokens: int
-
-
-# How a chunk is encoded for its entry: "alone" (TurboRAG: from position 0, its
-# first token its own attention sink) or "sink" (behind the model's BOS token,
-# whose K/V are dropped: CacheBlend's reference encoding, so that no chunk token
-# plays a sink the full prompt does not have). Part of the entries' fingerprint.
-CHUNK_CONTEXTS = ("alone", "sink")
-DEFAULT_CHUNK_CONTEXT = "alone"
 
 
 def context_ids(tokenizer: object, context: str) -> torch.Tensor:
@@ -76,6 +73,17 @@ def entry_ids(chunk_ids: torch.Tensor, suffix_ids: torch.Tensor) -> torch.Tensor
     return torch.cat([chunk_ids, suffix_ids]) if suffix_ids.numel() else chunk_ids
 
 
+def encoded_at(prompt: TokenizedPrompt, stored_at: int) -> TokenizedPrompt:
+    """``prompt`` with its chunk pieces pointed at entries encoded from position
+    ``stored_at`` (another encoding context's: its length); the same prompt when
+    they already are."""
+    if all(p.stored_at == stored_at for p in prompt.chunk_pieces):
+        return prompt
+    return TokenizedPrompt(
+        [replace(p, stored_at=stored_at) if p.is_chunk else p for p in prompt.pieces]
+    )
+
+
 def attach_suffix(
     prompt: TokenizedPrompt, suffix_ids: torch.Tensor, suffix: str = "", stored_at: int = 0
 ) -> TokenizedPrompt:
@@ -84,10 +92,7 @@ def attach_suffix(
     ``suffix_ids``, those tokens move into the chunk piece, so their K/V are read
     with the chunk's instead of computed."""
     k = suffix_ids.numel()
-    if stored_at:
-        prompt = TokenizedPrompt(
-            [replace(p, stored_at=stored_at) if p.is_chunk else p for p in prompt.pieces]
-        )
+    prompt = encoded_at(prompt, stored_at)
     if not k:
         return prompt
     pieces: list[Piece] = []
@@ -114,7 +119,9 @@ def attach_suffix(
 
 @dataclass(frozen=True)
 class Miss:
-    """A prompt chunk with no stored cache: its ids and the store it belongs in.
+    """A prompt chunk with no stored cache: its ids, the store it belongs in and
+    the encoding context its entry is encoded in (``CHUNK_CONTEXTS``). It is
+    also the job that encodes it (``ChunkCaches.encode_jobs``).
 
     ``evicted``: this engine stored the entry before (evicted or lost since).
     """
@@ -123,6 +130,7 @@ class Miss:
     store: KVStore
     is_prefix: bool = False
     evicted: bool = False
+    context: str = DEFAULT_CHUNK_CONTEXT
 
 
 @dataclass(frozen=True)

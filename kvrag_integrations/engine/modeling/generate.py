@@ -164,7 +164,7 @@ class TextDecoder:
         return ""
 
 
-class _StopScanner:
+class StopScanner:
     """Finds stop strings in streamed text, holding back what might start one.
 
     No occurrence can start in text already emitted: text is emitted only when
@@ -231,7 +231,7 @@ def decode(
     held = torch.tensor(sorted(stops), dtype=torch.long)  # masked before min_new_tokens
     if params.min_new_tokens and held.numel():
         held = held.to(first_logits.device)
-    scanner = _StopScanner(params.stop)
+    scanner = StopScanner(params.stop)
     criteria = stop_string_criteria(tokenizer, params.stop)
     detok = TextDecoder(tokenizer)
     step_fn = None

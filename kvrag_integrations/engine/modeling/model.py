@@ -117,6 +117,11 @@ class LoadedModel:
     ``decoder`` is the static decode of these weights (``StaticDecoder``: a
     static cache per bucket, CUDA graphs on CUDA); made afresh for each
     ``LoadedModel`` (``dataclasses.replace`` too), settable.
+
+    ``checkpoint``: what it was loaded from (``checkpoint_folder``'s source: a
+    folder or a Hugging Face id; None for weights given in memory) and
+    ``adapter``: the merged adapter's identity ("" none), what
+    ``checkpoint_identity`` names it by in both engines.
     """
 
     model: Any
@@ -128,6 +133,8 @@ class LoadedModel:
     layout: ModelLayout
     lock: ForwardLock = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     costs: CostModel = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    checkpoint: str | None = field(default=None, compare=False)
+    adapter: str = field(default="", compare=False)
     decoder: StaticDecoder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -222,7 +229,9 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     extra = adapter_identity(adapter) if adapter is not None else ""
     fp = model_fingerprint(lm, tokenizer, torch_dtype, extra=extra)
-    return LoadedModel(lm, tokenizer, name, fp, dev, torch_dtype, layout)
+    loaded = LoadedModel(lm, tokenizer, name, fp, dev, torch_dtype, layout)
+    loaded.checkpoint, loaded.adapter = str(source), extra
+    return loaded
 
 
 def checkpoint_folder(model: str | os.PathLike | None = None) -> tuple[str, str]:

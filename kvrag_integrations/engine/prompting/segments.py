@@ -95,6 +95,14 @@ def check_text(text: Any, what: str) -> str:
 PieceKind = Literal["text", "chunk", "prefix"]
 PIECE_KINDS: tuple[PieceKind, ...] = ("text", "chunk", "prefix")
 
+# How a chunk is encoded for its entry: "alone" (TurboRAG: from position 0, its
+# first token its own attention sink) or "sink" (behind the model's BOS token,
+# whose K/V are dropped: CacheBlend's reference encoding, so that no chunk token
+# plays a sink the full prompt does not have). Part of the entries' fingerprint;
+# a piece read from such an entry has ``stored_at`` 1.
+CHUNK_CONTEXTS = ("alone", "sink")
+DEFAULT_CHUNK_CONTEXT = "alone"
+
 
 def check_texts(texts: Any, what: str) -> list[str]:
     """``texts`` as a list of str; one str, or an item that is not one, is a TypeError.

@@ -30,15 +30,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.engine.scheduling.ledger import EncodeLedger
-from kvrag_integrations.store import KVStore
 
 logger = logging.getLogger(__name__)
 
-Job = tuple[torch.Tensor, KVStore]  # (entry token ids, where to store it)
+Job = Any  # what one key's encoding needs: opaque here (the caller's encode reads it)
 
 _LIVE: weakref.WeakSet[BackgroundEncoder] = weakref.WeakSet()
 
@@ -50,9 +47,9 @@ class Flight(Future):
     ``queued``: the key came off the queue (encoding an earlier request deferred).
     """
 
-    def __init__(self, key: str, ids: torch.Tensor, store: KVStore, queued: bool = False) -> None:
+    def __init__(self, key: str, job: Job, queued: bool = False) -> None:
         super().__init__()
-        self.key, self.ids, self.store, self.queued = key, ids, store, queued
+        self.key, self.job, self.queued = key, job, queued
 
     @property
     def kv(self) -> ChunkKV | None:
@@ -86,7 +83,7 @@ class BackgroundEncoder:
     later request. Its queue and flights are one ``EncodeLedger`` (``ledger``).
 
     Args:
-        encode: encodes and stores ``[(ids, store), ...]`` (one unit), returning
+        encode: encodes and stores ``[job, ...]`` (one unit), returning
             ``{key: ChunkKV}`` of what it encoded (anything else: waiters read
             the store).
         max_pending: most chunks queued at once.
@@ -153,7 +150,7 @@ class BackgroundEncoder:
             return found, self._finished
 
     def claim(self, jobs: Mapping[str, Job], seen: int | None = None) -> Claim:
-        """Take ``{key: (ids, store)}`` over: queued keys leave the queue and, with
+        """Take ``{key: job}`` over: queued keys leave the queue and, with
         new ones, become the caller's flights; keys in flight are to be waited for.
 
         Every key of ``mine`` must be passed to ``finish`` (in a ``finally``).
@@ -162,7 +159,7 @@ class BackgroundEncoder:
         mine: dict[str, Flight] = {}
         theirs: dict[str, Flight] = {}
         with self._cond:
-            for key, (ids, store) in jobs.items():
+            for key, job in jobs.items():
                 flight = self._flight(key)
                 if flight is not None and flight.running():
                     theirs[key] = flight
@@ -171,7 +168,7 @@ class BackgroundEncoder:
                     flight.queued = True  # taken off the queue
                     self.taken_over += 1
                 else:
-                    flight = Flight(key, ids, store)
+                    flight = Flight(key, job)
                     flight.set_running_or_notify_cancel()
                     self.ledger.add(key, flight)
                 mine[key] = flight
@@ -197,31 +194,29 @@ class BackgroundEncoder:
         return {key: f.kv for key, f in flights.items()}
 
     def encode_once(
-        self, jobs: Mapping[str, Job], encode: Callable[[list[torch.Tensor]], Mapping[str, Any]]
+        self, jobs: Mapping[str, Job], encode: Callable[[list[Job]], Mapping[str, Any]]
     ) -> None:
-        """Have ``jobs`` encoded, each once: ``encode(ids)`` encodes (and stores) the
+        """Have ``jobs`` encoded, each once: ``encode(jobs)`` encodes (and stores) the
         keys claimed here (queued or new); keys in flight elsewhere are waited for,
         unless the caller holds the forward lock (they could not end)."""
         claim = self.claim(jobs)
         done: Mapping[str, Any] = {}
         try:
-            done = encode([f.ids for f in claim.mine.values()])
+            done = encode([f.job for f in claim.mine.values()])
         finally:
             self.finish(claim.mine.values(), done)
         if claim.theirs and not (self._lock is not None and self._lock.held()):
             self.await_flights(claim.theirs)
 
     def submit(self, jobs: Mapping[str, Job]) -> set[str]:
-        """Queue ``{key: (ids, store)}``; returns the keys queued (now or already)
+        """Queue ``{key: job}``; returns the keys queued (now or already)
         or in flight."""
         accepted: set[str] = set()
         with self._cond:
             if self._closed:
                 return accepted
-            for key, (ids, store) in jobs.items():
-                if self.ledger.get(key) is not None or self.ledger.add(
-                    key, Flight(key, ids, store)
-                ):
+            for key, job in jobs.items():
+                if self.ledger.get(key) is not None or self.ledger.add(key, Flight(key, job)):
                     accepted.add(key)  # queued or in flight already, or queued now
             if self.ledger.queued() and (self._thread is None or not self._thread.is_alive()):
                 self._thread = threading.Thread(
@@ -281,7 +276,7 @@ class BackgroundEncoder:
             return True
         kvs: Mapping[str, ChunkKV] = {}
         try:
-            done = self._encode([(f.ids, f.store) for f in unit])
+            done = self._encode([f.job for f in unit])
             kvs = done if isinstance(done, Mapping) else {}
             encoded, failed = len(unit), 0
         except Exception:  # the request already answered; log and go on

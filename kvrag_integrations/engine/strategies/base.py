@@ -27,6 +27,9 @@ class Strategy(ABC):
 
     name: str = ""
     uses_chunk_caches: bool = True
+    # The encoding context of the entries it reads (``entries.CHUNK_CONTEXTS``);
+    # None: the engine's own.
+    chunk_context: str | None = None
 
     @abstractmethod
     def prefill(

@@ -69,6 +69,7 @@ class CacheBlend(ChunkReuse):
         query_layers: the layers whose attention ``"query"`` sums (default: from
             a quarter of the depth on, where attention depends on content more
             than on position).
+        chunk_context: the entries it reads (``ChunkReuse``; None: the engine's).
 
     Examples:
         >>> CacheBlend(recompute_ratio=0.15).name
@@ -88,8 +89,9 @@ class CacheBlend(ChunkReuse):
         refresh_check_layer: bool = False,
         selection: str = "auto",
         query_layers: Sequence[int] | None = None,
+        chunk_context: str | None = None,
     ) -> None:
-        super().__init__(positions)
+        super().__init__(positions, chunk_context)
         if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)):
             raise TypeError("recompute_ratio must be a number in [0, 1]")
         if not 0.0 <= float(recompute_ratio) <= 1.0 or math.isnan(recompute_ratio):
@@ -140,15 +142,19 @@ class CacheBlend(ChunkReuse):
         keep[todo] = True
         if self.recompute_first:
             keep |= self._chunk_starts(prompt, kv, self.recompute_first)
+        # The ratio's share of the candidates, picked among those not computed anyway:
+        # the rows recomputed are then known before the selection runs.
+        n_keep = round(self.recompute_ratio * int(candidates.sum()))
+        pool = candidates & ~keep
 
         if self.selection_for(prompt) == "query":
-            keep |= self.pick_by_query(model, kv, todo, candidates)
+            keep |= self.pick_by_query(model, kv, todo, candidates, pool, n_keep)
         else:
 
             def select(layer: int, fresh_k, fresh_v, rows: torch.Tensor) -> torch.Tensor | None:
                 if layer < self.check_layer:
                     return None  # every token's fresh K/V (CacheBlend's full first layers)
-                keep[rows] |= self.pick(kv, layer, fresh_k, fresh_v, rows, candidates[rows])
+                keep[rows] |= self.pick(kv, layer, fresh_k, fresh_v, rows, pool[rows], n_keep)
                 return None if self.refresh_check_layer else keep[rows]
 
             every = torch.arange(kv.num_tokens, device=kv.device)
@@ -165,10 +171,11 @@ class CacheBlend(ChunkReuse):
         fresh_v: torch.Tensor,
         rows: torch.Tensor,
         cached: torch.Tensor,
+        n_keep: int,
     ) -> torch.Tensor:
-        """Keep-mask over ``rows``: the top ``recompute_ratio`` of ``cached`` by deviation."""
-        n_keep = round(self.recompute_ratio * int(cached.sum()))
+        """Keep-mask over ``rows``: the ``n_keep`` of ``cached`` that deviate most."""
         keep = torch.zeros_like(cached)
+        n_keep = min(n_keep, int(cached.sum()))
         if n_keep == 0:
             return keep
         dev = torch.zeros(fresh_k.shape[:2], device=rows.device)  # [kv_heads, n]
@@ -188,13 +195,19 @@ class CacheBlend(ChunkReuse):
         return "query" if any(p.stored_at for p in prompt.chunk_pieces) else "deviation"
 
     def pick_by_query(
-        self, model: LoadedModel, kv: PromptKV, todo: torch.Tensor, candidates: torch.Tensor
+        self,
+        model: LoadedModel,
+        kv: PromptKV,
+        todo: torch.Tensor,
+        candidates: torch.Tensor,
+        pool: torch.Tensor,
+        n_keep: int,
     ) -> torch.Tensor:
-        """Keep-mask over the prompt: the top ``recompute_ratio`` of ``candidates`` by
-        the attention the question pays them, the uncached text computed over the
+        """Keep-mask over the prompt: the ``n_keep`` of ``pool`` (candidates not computed
+        anyway) the question attends to most, the uncached text computed over the
         reused caches (turbo's prefill; its K/V are computed again after)."""
         keep = torch.zeros_like(candidates)
-        n_keep = round(self.recompute_ratio * int(candidates.sum()))
+        n_keep = min(n_keep, int(pool.sum()))
         if n_keep == 0:
             return keep
         n_layers = model.layout.num_layers
@@ -213,7 +226,7 @@ class CacheBlend(ChunkReuse):
                 "goes through transformers' AttentionInterface"
             )
         score = mass.mass[: kv.num_tokens].clone()
-        score[~candidates] = float("-inf")
+        score[~pool] = float("-inf")
         keep[torch.topk(score, n_keep).indices] = True
         return keep
 

@@ -21,7 +21,7 @@ import torch
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.engine.modeling.forward import PromptKV
 from kvrag_integrations.engine.modeling.model import LoadedModel
-from kvrag_integrations.engine.prompting.segments import TokenizedPrompt
+from kvrag_integrations.engine.prompting.segments import CHUNK_CONTEXTS, TokenizedPrompt
 from kvrag_integrations.engine.strategies.base import PrefillOutput, Strategy
 
 POSITION_MODES = ("reordered", "composite")
@@ -116,10 +116,19 @@ class ChunkReuse(Strategy):
         positions: ``"reordered"`` (contiguous, TurboRAG's choice) moves each chunk
             to where it sits in the prompt; ``"composite"`` (the paper's ablation)
             leaves every chunk at 0 and continues text after the longest chunk.
+        chunk_context: read entries encoded in this context (``"alone"`` or
+            ``"sink"``, ``entries.CHUNK_CONTEXTS``) instead of the engine's own
+            (None): they are other entries, kept apart in the same store, and a
+            missing one is encoded as the engine's miss policy says.
     """
 
-    def __init__(self, positions: str = "reordered") -> None:
+    def __init__(self, positions: str = "reordered", chunk_context: str | None = None) -> None:
         self.positions = check_positions(positions)
+        if chunk_context is not None and chunk_context not in CHUNK_CONTEXTS:
+            raise ValueError(
+                f"chunk_context must be one of {CHUNK_CONTEXTS} or None, got {chunk_context!r}"
+            )
+        self.chunk_context = chunk_context
 
     def assemble(
         self, model: LoadedModel, prompt: TokenizedPrompt, chunk_kvs: Sequence[ChunkKV]

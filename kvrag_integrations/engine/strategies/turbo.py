@@ -32,12 +32,18 @@ class TurboRAG(ChunkReuse):
             1.0, the default, reuses them as stored). The leading text and the
             text around the chunks are untouched. The scaled keys stay in the
             cache, so decoding attends with the same temperature.
+        chunk_context: the entries it reads (``ChunkReuse``; None: the engine's).
     """
 
     name = "turbo"
 
-    def __init__(self, positions: str = "reordered", key_temperature: float = 1.0) -> None:
-        super().__init__(positions)
+    def __init__(
+        self,
+        positions: str = "reordered",
+        key_temperature: float = 1.0,
+        chunk_context: str | None = None,
+    ) -> None:
+        super().__init__(positions, chunk_context)
         if isinstance(key_temperature, bool) or not isinstance(key_temperature, (int, float)):
             raise TypeError("key_temperature must be a positive number")
         if not (key_temperature > 0 and math.isfinite(key_temperature)):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,12 +38,15 @@ class ToolCall:
     id: str = ""
 
     def as_openai(self) -> dict[str, Any]:
-        """The call as an OpenAI ``tool_calls`` item (arguments as a JSON string)."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
-        }
+        """The call as an OpenAI ``tool_calls`` item (arguments as a JSON string:
+        strict JSON, as the parsers read only finite numbers).
+
+        Raises:
+            ValueError: arguments with a non-finite number (no parser makes one).
+        """
+        args = json.dumps(self.arguments, allow_nan=False)
+        function = {"name": self.name, "arguments": args}
+        return {"id": self.id, "type": "function", "function": function}
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,41 @@ def call_arguments(args: Any) -> Any:
     if isinstance(args, Mapping):
         return dict(args)
     return args
+
+
+def call_object(
+    value: Any, names: Collection[str], arg_keys: Sequence[str], bare: bool
+) -> dict[str, Any] | None:
+    """``value`` (decoded JSON) as a call ``{"name", "arguments", "id"}`` to one of
+    ``names``, or None: its name a string naming a bound tool, its arguments a
+    JSON object (or its text) under the first of ``arg_keys`` it holds.
+
+    ``bare``: an object that is the whole answer, which might be a JSON answer
+    rather than a call: it must hold its arguments and no keys but ``name``,
+    ``arg_keys`` and ``id`` (vLLM's ``llama3_json`` parser likewise reads an
+    object without arguments as text). A call inside the family's markup may
+    leave its arguments out (``{}``).
+
+    Examples:
+        >>> call_object({"name": "f", "arguments": {"q": 1}}, ["f"], ["arguments"], bare=True)
+        {'name': 'f', 'arguments': {'q': 1}, 'id': None}
+        >>> call_object({"name": "f"}, ["f"], ["arguments"], bare=True) is None
+        True
+        >>> call_object({"name": ["f"], "arguments": {}}, {"f"}, ["arguments"], bare=False) is None
+        True
+    """
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
+    if not isinstance(name, str) or name not in names:
+        return None
+    key = next((k for k in arg_keys if k in value), None)
+    if bare and (key is None or set(value) - {"name", "id", *arg_keys}):
+        return None
+    args = {} if key is None else call_arguments(value[key])
+    if not isinstance(args, dict):
+        return None
+    return {"name": name, "arguments": args, "id": value.get("id")}
 
 
 def _call_dict(call: Any) -> Mapping[str, Any]:

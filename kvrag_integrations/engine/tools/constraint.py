@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.engine.tools.json_text import json_object_end
+from kvrag_integrations.engine.tools.json_scan import json_object_end
 
 _WS = " \t\n\r"
 _BAD, _MORE, _DONE = "bad", "more", "done"

@@ -9,20 +9,21 @@ list). A family owns:
 
 - its markers (text that opens calls anywhere in an answer) and, for formats
   whose calls are the whole answer (a bare JSON object, a Python list), the
-  leading form (``_leading``: calls, "maybe" while a prefix, or no call);
+  leading form (``_lead_scan``: calls, "maybe" while a prefix, or no call);
 - its parser (``parse``): calls to bound tools, the text besides them, and
   ``InvalidToolCall``s where its markup opens something that is no valid call;
   it never raises, whatever the model wrote;
-- its streaming detector (``content_end``): how much of a partial answer is
-  text whatever follows (streamed at once), so streamed text is always a
-  prefix of ``parse``'s content;
+- its streaming detector (``detector``, ``detect.ContentDetector``): how much
+  of a partial answer is text whatever follows (streamed at once), so streamed
+  text is always a prefix of ``parse``'s content; it reads each character of a
+  stream once;
 - its call-id rule and the ids its template takes (``template_call_id``);
 - its forced call: the markup a forced call opens with and the JSON call
   object the constraint (``constraint.ForcedCall``) keeps valid.
 
-``family_for`` picks the class once per request from the tokenizer's chat
-template; nothing is guessed from the answer. Adding a format is adding a
-subclass to ``FAMILIES``.
+``family_for`` picks the class once per request from the call syntax of the
+tokenizer's chat template (``matches``); nothing is guessed from the answer.
+Adding a format is adding a subclass to ``FAMILIES``.
 """
 
 from __future__ import annotations
@@ -32,23 +33,19 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
+from kvrag_integrations.engine.tools.bare import BareCalls
 from kvrag_integrations.engine.tools.calls import (
     InvalidToolCall,
     Parsed,
     ToolCall,
     call_arguments,
+    call_object,
     hashed_id,
 )
-from kvrag_integrations.engine.tools.json_text import (
-    FAILED,
-    close_call,
-    decode_json,
-    json_object_end,
-    load_json,
-)
+from kvrag_integrations.engine.tools.detect import MAYBE, ContentDetector, LeadScan
+from kvrag_integrations.engine.tools.json_text import close_call, decode_json, load_json
 
 _HEX = "0123456789abcdef"
-MAYBE = "maybe"  # a leading form that may still become calls
 
 
 class ToolFamily:
@@ -81,7 +78,9 @@ class ToolFamily:
 
     @classmethod
     def matches(cls, template: str) -> bool:
-        """Whether a chat template (one with ``tools``) writes calls in this format."""
+        """Whether a chat template (one with ``tools``) writes or asks for calls in
+        this format: its call syntax, not a word it may hold for another reason
+        (this base: any template, the last tried)."""
         return True
 
     @property
@@ -110,24 +109,33 @@ class ToolFamily:
         return self._ided(text[:at].rstrip(), calls, invalid, seed)
 
     def content_end(self, text: str, names: Collection[str]) -> int:
-        """How much of the partial answer ``text`` is content whatever follows:
-        nothing while a leading form may still be calls; else up to the first
-        marker, or the end less what may begin a marker; trailing whitespace
-        held (dropped before a call)."""
-        if self._leading(text, names) is not None:
-            return 0
-        at, marker = self._first_marker(text)
-        if marker is None:
-            at = len(text) - _partial_marker(text, self.markers)
-        return len(text[:at].rstrip())
+        """How much of the partial answer ``text`` is content whatever follows
+        (a fresh ``detector``'s answer for the whole text)."""
+        return self.detector(names).end(text)
+
+    def detector(self, names: Collection[str]) -> ContentDetector:
+        """A streaming detector for one answer: nothing while a leading form may
+        still be calls; else up to the first marker, or the end less what may
+        begin a marker; trailing whitespace held (dropped before a call)."""
+        return ContentDetector(self.markers, lambda: self._lead_scan(names))
+
+    def _lead_scan(self, names: Collection[str]) -> LeadScan | None:
+        """The whole answer as this family's bare calls, read as it grows (None:
+        the family has no leading form). This base: JSON call objects naming
+        bound tools, ``;``-separated (``bare.BareCalls``)."""
+        return BareCalls(names, self.arg_keys)
 
     def _leading(
         self, text: str, names: Collection[str]
     ) -> tuple[list[dict[str, Any]], list[tuple[str | None, str, str]]] | str | None:
         """The whole answer as this family's bare calls: ``(calls, invalid)`` where
-        it is that; ``MAYBE`` while a prefix of it; None where it cannot be.
-        This base: JSON call objects naming bound tools, ``;``-separated."""
-        return bare_json_calls(text, names, self.arg_keys)
+        it is that; ``MAYBE`` while a prefix of it; None where it cannot be."""
+        scan = self._lead_scan(names)
+        state = None if scan is None else scan.feed(text)
+        if state is None or state == MAYBE:
+            return state
+        assert scan is not None
+        return scan.result(text)
 
     def _marked(
         self, text: str, marker: str, names: Collection[str]
@@ -238,44 +246,28 @@ class ToolFamily:
             begun = [name for name in forced if name.startswith(value["name"])]
             if value["name"] not in forced and len(begun) == 1:
                 value["name"] = begun[0]
-        call = _call_object(value, forced, (self.args_key,), strict=True)
+        call = call_object(value, forced, (self.args_key,), bare=False)  # cut: maybe no arguments
         return None if call is None else self._ided("", [call], [], seed)
 
 
-def _partial_marker(text: str, markers: Sequence[str]) -> int:
-    """The length of the longest end of ``text`` that begins a marker."""
-    for k in range(min(len(text), max((len(m) - 1 for m in markers), default=0)), 0, -1):
-        if any(m.startswith(text[-k:]) for m in markers):
-            return k
-    return 0
-
-
-def _call_object(
-    value: Any, names: Collection[str], arg_keys: Sequence[str], strict: bool
-) -> dict[str, Any] | None:
-    """``value`` as a call ``{"name", "arguments"[, "id"]}`` to one of ``names``, or
-    None. ``strict``: no keys but ``name``, ``arg_keys`` and ``id`` (a bare
-    object, which might be a JSON answer)."""
-    if not isinstance(value, dict) or value.get("name") not in names:
-        return None
-    if strict and set(value) - {"name", "id", *arg_keys}:
-        return None
-    key = next((k for k in arg_keys if k in value), None)
-    args = {} if key is None else call_arguments(value[key])
-    if not isinstance(args, dict):
-        return None
-    return {"name": value["name"], "arguments": args, "id": value.get("id")}
-
-
 def read_call_objects(
-    body: str, names: Collection[str], arg_keys: Sequence[str], raw: str, what: str
+    body: str,
+    names: Collection[str],
+    arg_keys: Sequence[str],
+    raw: str,
+    what: str,
+    prose_after: bool = False,
 ) -> tuple[list[dict[str, Any]], list[tuple[str | None, str, str]]]:
     """A marked body: JSON call objects (or lists of them), ``;`` or whitespace
     between; all calls, or one invalid call carrying ``raw`` (``what``: the
-    family's markup, named in the error)."""
+    family's markup, named in the error). ``prose_after``: markup with no
+    closing one, after whose calls text that opens no JSON value is dropped, as
+    vLLM drops it."""
     calls: list[dict[str, Any]] = []
     rest = body.strip()
     while rest:
+        if prose_after and calls and not rest.startswith(("{", "[")):
+            break
         found = decode_json(rest)
         if found is None:
             return [], [(_name_in(rest), raw, f"{what} holds no valid JSON call object")]
@@ -299,7 +291,7 @@ def call_items(
     of them, or one invalid call carrying ``raw`` that says why the first is none."""
     calls: list[dict[str, Any]] = []
     for item in items:
-        call = _call_object(item, names, arg_keys, strict=False)
+        call = call_object(item, names, arg_keys, bare=False)
         if call is None:
             return [], [(_name_of(item), raw, _why_not(item, names, what))]
         calls.append(call)
@@ -324,60 +316,3 @@ def _why_not(item: Any, names: Collection[str], what: str) -> str:
     if name not in names:
         return f"{what} calls {name!r}, which is not among the bound tools {sorted(names)}"
     return f"{what} calls {name!r} with arguments that are no JSON object"
-
-
-def bare_json_calls(
-    text: str, names: Collection[str], arg_keys: Sequence[str]
-) -> tuple[list[dict[str, Any]], list[Any]] | str | None:
-    """The whole of ``text`` as bare JSON call objects (``;``-separated) naming bound
-    tools with no other keys: ``(calls, [])``; ``MAYBE`` while a prefix of that;
-    None where it cannot be (then it is text: ``{"name": "Alice", "age": 30}``)."""
-    rest = text.lstrip()
-    if not rest.startswith("{"):
-        return MAYBE if not rest else None
-    calls: list[dict[str, Any]] = []
-    keys = ("name", "id", *arg_keys)
-    while True:
-        end = json_object_end(rest, keys=keys)
-        if end is None:
-            return MAYBE if _name_may_be(rest, names) else None
-        if end == -1:
-            return None
-        call = _call_object(load_json(rest[:end]), names, arg_keys, strict=True)
-        if call is None or not _name_may_be(rest[:end], names):
-            return None
-        calls.append(call)
-        rest = rest[end:].lstrip()
-        if rest.startswith(";"):
-            rest = rest[1:].lstrip()
-            if not rest:
-                return MAYBE
-            if not rest.startswith("{"):
-                return None
-        elif rest:
-            return None
-        else:
-            return calls, []
-
-
-# A top-level object's pairs before its "name" key whose values are strings or
-# scalars, then the "name" key and its string value as far as written.
-_FIRST_NAME = re.compile(
-    r'\{\s*(?:"(?!name")(?:[^"\\]|\\.)*"\s*:\s*(?:"(?:[^"\\]|\\.)*"|[^,{}\[\]"]*)\s*,\s*)*'
-    r'"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)'
-)
-
-
-def _name_may_be(prefix: str, names: Collection[str]) -> bool:
-    """Whether a call object's first top-level ``"name"`` value, as far as written,
-    may still be a bound tool's (True where it cannot be read yet). The whole
-    object is judged by the same reading, so a name that releases a prefix as
-    text (``{"name": "Alice"``) also makes the finished object text."""
-    match = _FIRST_NAME.match(prefix)
-    if match is None:
-        return True
-    written, closed = match.group(1), match.group(2)
-    if closed:
-        decoded = load_json(f'"{written}"')
-        return decoded is not FAILED and decoded in names
-    return any(json.dumps(n)[1:-1].startswith(written) for n in names)

@@ -10,12 +10,17 @@ As vLLM's ``hermes`` parser reads them: the text before the first
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection, Sequence
 from typing import Any, ClassVar
 
 from kvrag_integrations.engine.tools.family import ToolFamily, read_call_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# <tool_call> then a JSON object with a "name": what lies between in the template's
+# source (whitespace, \n, quotes, jinja's {{ }} and +) skipped, quotes maybe escaped
+_GLUE = r"""(?:\s|\\n|['"+]|-?\}\}|\{\{-?)*"""
+_JSON_CALL = re.compile(rf'<tool_call>{_GLUE}\{{{_GLUE}\\?"name\\?"')
 RESULT_OPEN, RESULT_CLOSE = "<tool_response>\n", "\n</tool_response>"
 
 FALLBACK_TOOL_PROMPT = (
@@ -40,9 +45,11 @@ class HermesFamily(ToolFamily):
 
     @classmethod
     def matches(cls, template: str) -> bool:
-        return OPEN in template
+        # <tool_call> opening a JSON object (GLM's "<tool_call>name" and
+        # Qwen3-Coder's "<tool_call><function=" are other formats)
+        return _JSON_CALL.search(template) is not None
 
-    def _leading(self, text: str, names: Collection[str]) -> None:
+    def _lead_scan(self, names: Collection[str]) -> None:
         return None  # every call is marked
 
     def _marked(

@@ -12,16 +12,27 @@ closes a forced call cut short.
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Sequence
 from typing import Any
 
 MAX_DEPTH = 64  # nesting a call's JSON may have (deeper is not a call)
-_DECODER = json.JSONDecoder()
 _FAILED = object()
 _WS = " \t\n\r"
-_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
-_LITERALS = ("true", "false", "null")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is past what a float holds")
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
 
 
 def _too_deep(text: str) -> bool:
@@ -56,6 +67,8 @@ def decode_json(text: str, start: int = 0) -> tuple[Any, int] | None:
         ({'a': [1]}, 12)
         >>> decode_json("[" * 1000) is None, decode_json("9" * 5000) is None
         (True, True)
+        >>> decode_json("[NaN]") is None, decode_json("-Infinity") is None, decode_json("1e999")
+        (True, True, None)
     """
     while start < len(text) and text[start] in _WS:
         start += 1
@@ -85,129 +98,36 @@ FAILED: Any = _FAILED
 """What ``load_json`` returns for text that is not one JSON value."""
 
 
-def _string_end(text: str, i: int) -> int | None:
-    """Index past the JSON string starting at ``text[i]`` (a quote); None: not closed
-    yet; -1: a raw control character (invalid JSON)."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        if ord(c) < 0x20:
-            return -1
-        j += 1
-    return None
+# an escape cut short at the end of a string: an odd run of backslashes, maybe u and hex
+_CUT_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*(\\(?:u[0-9a-fA-F]{0,3})?)\Z")
 
 
-def _key_ok(raw: str, keys: Sequence[str] | None) -> bool:
-    """Whether the JSON string ``raw`` (closed or still open) is, or begins, one of
-    ``keys`` (None: any key)."""
-    if keys is None:
-        return True
-    if raw.endswith('"') and len(raw) > 1:
-        key = load_json(raw)
-        return isinstance(key, str) and key in keys
-    return any(json.dumps(k, ensure_ascii=a).startswith(raw) for k in keys for a in (True, False))
-
-
-def json_object_end(
-    text: str, one_key: bool = False, keys: Sequence[str] | None = None
-) -> int | None:
-    """Where the JSON object that ``text`` starts with ends (index past its ``}``);
-    None while ``text`` is a valid unfinished prefix of one; -1 if it cannot be one.
-    ``one_key``: the object holds one key (a second is invalid). ``keys``: the
-    object's keys must be among these (None: any; empty: only ``{}``).
+def drop_cut_escape(body: str) -> str:
+    r"""A JSON string's body cut short, less an escape cut short at its end.
 
     Examples:
-        >>> json_object_end('{"q": [1, "a"]} tail'), json_object_end('{"q": tr')
-        (15, None)
-        >>> json_object_end("["), json_object_end('{"q": 01}')
-        (-1, -1)
-        >>> json_object_end('{"x', keys=["q"]), json_object_end("{}", keys=[])
-        (-1, 2)
+        >>> drop_cut_escape("se\\u00"), drop_cut_escape("a\\"), drop_cut_escape("a\\\\")
+        ('se', 'a', 'a\\\\')
     """
-    stack: list[str] = []
-    expect = "value"
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c in _WS:
-            i += 1
-            continue
-        if expect in ("value", "value_or_close"):
-            if not stack and c != "{":
-                return -1
-            if c == "]" and expect == "value_or_close":
-                stack.pop()
-                i += 1
-                expect = "after"
-            elif c in "{[":
-                stack.append(c)
-                expect = "key_or_close" if c == "{" else "value_or_close"
-                i += 1
-                continue
-            elif c == '"':
-                end = _string_end(text, i)
-                if end is None or end == -1:
-                    return end
-                i, expect = end, "after"
-            elif c in "-0123456789":
-                j = i
-                while j < n and text[j] in "+-0123456789.eE":
-                    j += 1
-                if j == n:
-                    return None
-                if not _NUMBER.fullmatch(text[i:j]):
-                    return -1
-                i, expect = j, "after"
-            else:
-                word = next((w for w in _LITERALS if text.startswith(w, i)), None)
-                if word is None:
-                    return None if any(w.startswith(text[i:]) for w in _LITERALS) else -1
-                i, expect = i + len(word), "after"
-        elif expect in ("key", "key_or_close"):
-            if c == "}" and expect == "key_or_close":
-                stack.pop()
-                i += 1
-                expect = "after"
-            elif c == '"':
-                end = _string_end(text, i)
-                if end == -1:
-                    return end
-                top_key = keys is not None and len(stack) == 1
-                if top_key and not _key_ok(text[i : end or n], keys):
-                    return -1
-                if end is None:
-                    return None
-                i, expect = end, "colon"
-            else:
-                return -1
-        elif expect == "colon":
-            if c != ":":
-                return -1
-            i, expect = i + 1, "value"
-        else:  # after a value: a comma or the container's close
-            top = stack[-1]
-            if c == "," and one_key and len(stack) == 1:
-                return -1
-            if c == ",":
-                i, expect = i + 1, "key" if top == "{" else "value"
-            elif c == ("}" if top == "{" else "]"):
-                stack.pop()
-                i, expect = i + 1, "after"
-            else:
-                return -1
-        if expect == "after":
-            if not stack:
-                return i
-            expect = "comma_after"
-    return None
+    cut = _CUT_ESCAPE.search(body)
+    return body[: cut.start(1)] if cut else body
 
 
-_OPEN_UNICODE = re.compile(r"(\\+)u[0-9a-fA-F]{0,3}$")
+def json_string_prefix(body: str) -> str | None:
+    r"""What a JSON string's body cut short (no quotes) decodes to as far as it is
+    read; None where it is no string's body (a raw control character, a bad escape).
+    A high surrogate at the end is dropped: its pair may follow.
+
+    Examples:
+        >>> json_string_prefix("se\\u0061r"), json_string_prefix("se\\u00")
+        ('sear', 'se')
+        >>> json_string_prefix("\\x") is None
+        True
+    """
+    value = load_json('"' + drop_cut_escape(body) + '"')
+    if not isinstance(value, str):
+        return None
+    return value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value
 
 
 def close_call(text: str) -> str:
@@ -254,11 +174,7 @@ def close_call(text: str) -> str:
         # key of it); what came before closes
         return close_call(text[:key_at].rstrip().rstrip(","))
     closers = "".join("}" if c == "{" else "]" for c in reversed(stack))
-    head = text[:-1] if escaped else text
-    cut = _OPEN_UNICODE.search(head) if in_string else None
-    if cut and len(cut.group(1)) % 2:  # a \uXXXX escape cut short: dropped
-        head = head[: cut.end(1) - 1]
-    head += '"' if in_string else ""
+    head = drop_cut_escape(text) + '"' if in_string else text
     bare = head.rstrip().rstrip(",:").rstrip()
     # A key without its value: the call's own (its arguments) an object, others null.
     value = "{}" if len(stack) == 1 else "null"

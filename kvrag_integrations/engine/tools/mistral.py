@@ -4,7 +4,8 @@ As vLLM's ``mistral`` parser reads them, the text before the first
 ``[TOOL_CALLS]`` control token is the content, and after it:
 
 - before v11 (Mistral-7B-Instruct-v0.3): a JSON list of call objects,
-  ``[TOOL_CALLS][{"name": .., "arguments": .., "id": ..}, ..]``;
+  ``[TOOL_CALLS][{"name": .., "arguments": .., "id": ..}, ..]``; what follows
+  the list is dropped;
 - v11 and later (Mistral-Small-3.1/3.2, Ministral, Devstral): one marker per
   call, ``[TOOL_CALLS]name[ARGS]{..}``, or ``name{..}`` without ``[ARGS]``, with
   ``[CALL_ID]id`` between name and arguments where the model writes one.
@@ -75,7 +76,7 @@ class MistralFamily(ToolFamily):
     def matches(cls, template: str) -> bool:
         return TOOL_CALLS in template
 
-    def _leading(self, text: str, names: Collection[str]) -> None:
+    def _lead_scan(self, names: Collection[str]) -> None:
         return None  # every call is marked
 
     def _marked(
@@ -85,6 +86,8 @@ class MistralFamily(ToolFamily):
         while body.lstrip().startswith(TOOL_CALLS):  # repeated markers count as one
             body = body.lstrip()[len(TOOL_CALLS) :]
         if body.lstrip().startswith(("[", "{")) or not body.strip():
+            found = decode_json(body)  # the first JSON value is the calls, the rest dropped
+            body = body[: found[1]] if found else body
             return read_call_objects(body, names, ("arguments",), text, TOOL_CALLS)
         return _named_calls(text, names)
 

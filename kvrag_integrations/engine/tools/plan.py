@@ -27,12 +27,13 @@ TOOL_CHOICES = ("auto", "required", "none")
 FAMILIES: tuple[type[ToolFamily], ...] = (
     HermesFamily,
     MistralFamily,
-    LlamaFamily,
     PythonicFamily,
-    ToolFamily,  # a template with tools in no known markup: bare JSON call objects
+    LlamaFamily,
+    ToolFamily,  # a template with tools in no known call syntax: bare JSON call objects
 )
 """The families a template with tools is matched against, in order (the first whose
-``matches`` holds)."""
+``matches`` holds: each looks for its call syntax, so the order only settles a
+template that shows two)."""
 
 
 TOOL_MARKUP: frozenset[str] = frozenset(
@@ -46,7 +47,7 @@ def family_for(tokenizer: Any) -> ToolFamily:
 
     Examples:
         >>> class Tok:
-        ...     chat_template = "{% for t in tools %}<tool_call>{% endfor %}"
+        ...     chat_template = '{% for t in tools %}<tool_call>{"name": ...}{% endfor %}'
         >>> family_for(Tok()).name
         'hermes'
     """

@@ -4,23 +4,30 @@ As vLLM's ``pythonic`` parser reads them (its Gemma 3 and Llama 3.2 tool
 templates ask for this): the answer is a list of calls to bound tools with
 keyword arguments whose values are Python literals. An answer that starts with
 ``[`` but is no such list (``[1] The tower...``) is text, released as soon as
-it cannot be one; a list of calls to bound tools whose arguments are no
-literals (``[f(q={[1]: 2})]``) is an ``InvalidToolCall``. A forced call is the
-JSON call object every family's constraint writes.
+it cannot be one; text after the list makes it text too (as vLLM's parser
+reads it); a list of calls to bound tools whose arguments are no literals
+(``[f(q={[1]: 2})]``) or no JSON values (``[f(q=1e999)]``, a set) is an
+``InvalidToolCall``. A forced call is the JSON call object every family's
+constraint writes.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Collection
 from typing import Any, ClassVar
 
-from kvrag_integrations.engine.tools.family import MAYBE, ToolFamily
+from kvrag_integrations.engine.tools.detect import CALLS, MAYBE, LeadScan
+from kvrag_integrations.engine.tools.family import ToolFamily
 
 _IDENT_START = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_"
-_IDENT = _IDENT_START + "0123456789"
-_OPEN, _CLOSE = "([{", ")]}"
+_IDENT = re.compile(r"[A-Za-z0-9_]*")
+_WS = re.compile(r"\s*")
+_PLAIN = re.compile(r"[^'\"()\[\]{}]*")  # inside a call: what is no quote or bracket
+_QUOTED = {"'": re.compile(r"[^'\\]*"), '"': re.compile(r'[^"\\]*')}
+_OPEN = "([{"
 
 
 class PythonicFamily(ToolFamily):
@@ -30,80 +37,104 @@ class PythonicFamily(ToolFamily):
 
     @classmethod
     def matches(cls, template: str) -> bool:
-        return "func_name1(" in template  # vLLM's pythonic templates' example call
+        # a Python list of calls with keyword arguments, as the template asks for
+        # them ("[func_name1(params_name1=params_value1, ...)]" in vLLM's)
+        return _CALL_LIST_EXAMPLE.search(template) is not None
 
-    def _leading(
-        self, text: str, names: Collection[str]
-    ) -> tuple[list[dict[str, Any]], list[tuple[str | None, str, str]]] | str | None:
-        shape = _call_list_shape(text.lstrip(), names)
-        if shape is None or shape == MAYBE:
-            return shape
+    def _lead_scan(self, names: Collection[str]) -> CallList:
+        return CallList(names)
+
+
+_CALL_LIST_EXAMPLE = re.compile(r"\[[A-Za-z_]\w*\([A-Za-z_]\w*=")
+
+
+class CallList(LeadScan):
+    """The answer shaped as ``[name(...), ...]`` with bound names,
+    read as it grows. Brackets and quotes inside the calls are only balanced here
+    (``ast`` reads them in ``result``); no recursion, each character read once."""
+
+    def __init__(self, names: Collection[str]) -> None:
+        self.names = names
+        self.i = 0
+        self.step = "open"  # open, ident, name, args, next, tail
+        self.ident_at = 0
+        self.depth, self.quote = 0, ""
+        self.first = ""
+
+    def result(self, text: str) -> tuple[list[dict[str, Any]], list[tuple[str | None, str, str]]]:
         try:
             return _read_calls(text.strip()), []
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError) as exc:
-            error = f"a Python list of calls to {shape!r} whose arguments are no literals: {exc}"
-            return [], [(shape, text.strip(), error[:300])]
+            error = f"a Python list of calls to {self.first!r} with arguments no literals: {exc}"
+            return [], [(self.first, text.strip(), error[:300])]
 
+    def _read(self, text: str) -> str | None:
+        n = len(text)
+        while True:
+            step = self.step
+            if step in ("open", "ident", "next", "tail"):
+                self.i = _WS.match(text, self.i).end()
+                if self.i == n:
+                    return CALLS if step == "tail" else MAYBE
+                c = text[self.i]
+                if step == "tail" or (step == "open" and c != "["):
+                    return None  # text after the list, or no list
+                if step == "open":
+                    self.i += 1
+                    self.step = "ident"
+                elif step == "ident":
+                    if c not in _IDENT_START:
+                        return None
+                    self.ident_at, self.step = self.i, "name"
+                elif c == "]":  # step "next": after a call
+                    self.i += 1
+                    self.step = "tail"
+                elif c == ",":
+                    self.i += 1
+                    self.step = "ident"
+                else:
+                    return None
+            elif step == "name":
+                self.i = _IDENT.match(text, self.i).end()
+                ident = text[self.ident_at : self.i]
+                if self.i == n:
+                    return MAYBE if any(name.startswith(ident) for name in self.names) else None
+                if ident not in self.names or text[self.i] != "(":
+                    return None
+                self.first = self.first or ident
+                self.step = "args"
+            elif not self._past_parens(text, n):  # step "args"
+                return MAYBE
 
-def _call_list_shape(text: str, names: Collection[str]) -> str | None:
-    """Whether ``text`` is shaped as ``[name(...), ...]`` with bound names: the first
-    name once complete, ``MAYBE`` while a prefix, None where it cannot be one.
-    Brackets and quotes inside the calls are only balanced here (``ast`` reads
-    them at the end); no recursion, one pass."""
-    if not text:
-        return MAYBE
-    if text[0] != "[":
-        return None
-    i, n = 1, len(text)
-    first: str | None = None
-    while True:
-        while i < n and text[i].isspace():
+    def _past_parens(self, text: str, n: int) -> bool:
+        """Read on in a call's bracket group; True once it closed."""
+        i = self.i
+        while i < n:
+            if self.quote:
+                i = _QUOTED[self.quote].match(text, i).end()
+                if i >= n:
+                    break
+                if text[i] == "\\":
+                    i += 2
+                    continue
+                self.quote = ""
+            else:
+                i = _PLAIN.match(text, i).end()
+                if i >= n:
+                    break
+                c = text[i]
+                if c in "'\"":
+                    self.quote = c
+                elif c in _OPEN:
+                    self.depth += 1
+                elif self.depth <= 1:  # the call's own closing bracket
+                    self.i, self.depth, self.step = i + 1, 0, "next"
+                    return True
+                else:
+                    self.depth -= 1
             i += 1
-        start = i
-        if i < n and text[i] not in _IDENT_START:
-            return None
-        while i < n and text[i] in _IDENT:
-            i += 1
-        ident = text[start:i]
-        if i == n:
-            return MAYBE if any(name.startswith(ident) for name in names) else None
-        if ident not in names or text[i] != "(":
-            return None
-        first = first or ident
-        i = _past_parens(text, i)
-        if i < 0:
-            return MAYBE
-        while i < n and text[i].isspace():
-            i += 1
-        if i == n:
-            return MAYBE
-        if text[i] == "]":
-            return first if not text[i + 1 :].strip() else None
-        if text[i] != ",":
-            return None
-        i += 1
-
-
-def _past_parens(text: str, i: int) -> int:
-    """The index past the bracket group opening at ``text[i]``; -1 while unclosed."""
-    depth, quote, n = 0, "", len(text)
-    while i < n:
-        c = text[i]
-        if quote:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = ""
-        elif c in "'\"":
-            quote = c
-        elif c in _OPEN:
-            depth += 1
-        elif c in _CLOSE:
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return -1
+        self.i = i
+        return False
 
 
 def _read_calls(text: str) -> list[dict[str, Any]]:
@@ -118,6 +149,7 @@ def _read_calls(text: str) -> list[dict[str, Any]]:
         if expr.args or any(kw.arg is None for kw in expr.keywords):
             raise ValueError("arguments must be keywords")
         args = {kw.arg: ast.literal_eval(kw.value) for kw in expr.keywords}
-        json.dumps(args)  # a set or bytes is no JSON argument (TypeError)
+        # a set or bytes is no JSON argument (TypeError), 1e999 or nan no JSON number (ValueError)
+        json.dumps(args, allow_nan=False)
         calls.append({"name": expr.func.id, "arguments": args, "id": None})
     return calls

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvrag_integrations.engine.modeling.sampling import SamplingParams
-from kvrag_integrations.vllm.params import Reply
+from kvrag_integrations.vllm.reply import Reply
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
-from kvrag_integrations.vllm.params import Reply
+from kvrag_integrations.vllm.config import ATTACH_METHOD
+from kvrag_integrations.vllm.reply import Reply
 
 _DONE = object()
 _IDS = itertools.count()
+logger = logging.getLogger(__name__)
 
 
 class LocalBackend:
@@ -37,6 +40,8 @@ class LocalBackend:
     # Prompt log-probabilities are read without text: rows a load left uncomputed
     # are never decoded (vllm.scoring reads only the computed rows).
     prompt_rows_after_load = True
+    # Why blend does not run here ("" : it does; set by ``attach_blend``).
+    blend_refused = "vLLM was started without blend (reuse='turbo')"
 
     def __init__(self, engine_args: dict[str, Any], name: str) -> None:
         self.model_name = name
@@ -54,6 +59,16 @@ class LocalBackend:
 
     def _call(self, coroutine: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def attach_blend(self) -> None:
+        """Hand each worker's model to the connector for blend's recompute (vLLM's
+        ``collective_rpc`` on the worker extension); a model blend cannot run on
+        keeps turbo only, and ``blend_refused`` says why."""
+        reasons = self._call(self._engine.collective_rpc(ATTACH_METHOD), timeout=600)
+        refused = [str(r) for r in reasons if r]
+        self.blend_refused = "; ".join(dict.fromkeys(refused))
+        if refused:
+            logger.warning("blend refused on %s: %s", self.model_name, self.blend_refused)
 
     def submit(self, request: BackendRequest, cancel: threading.Event) -> Iterator[BackendEvent]:
         """Run ``request`` on the loop; yield its events as they come."""

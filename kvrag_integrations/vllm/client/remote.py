@@ -22,7 +22,7 @@ import httpx
 
 from kvrag_integrations.errors import ServerError
 from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
-from kvrag_integrations.vllm.params import Reply
+from kvrag_integrations.vllm.reply import Reply
 
 _MAX_WHOLE = 32
 

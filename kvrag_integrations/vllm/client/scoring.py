@@ -13,7 +13,7 @@ them (and the candidates of concurrent calls) together.
   default: before any sampling processor).
 - query likelihood: the prompt's log-probabilities (``prompt_logprobs=0``) of the
   query tokens, which lie in the computed suffix. vLLM skips its prefix cache and
-  external loads for such requests; the connector keeps an admitted load (the
+  external loads for such requests; the connector keeps an accepted load (the
   rows it needs are computed after it), and a request whose needed rows vLLM did
   not compute (``cached_tokens``) is scored again whole.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ from kvrag_integrations.errors import (
     check_fits,
 )
 from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
-from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
+from kvrag_integrations.vllm.params import PieceSpec, TransferParams
+from kvrag_integrations.vllm.reply import Reply
 
 _SCORE = {"max_tokens": 1, "temperature": 0.0}
 _MAX_SCORING_THREADS = 512  # requests in flight at once (vLLM batches them)
@@ -96,12 +98,18 @@ class VLLMScoring:
     """The ``DocumentScorer`` methods of ``VLLMEngine`` (a mixin)."""
 
     backend: Any
-    tenant: str
+    tenant_salt: str
     tokenizer: Any
     context_window: int
     fingerprint: str
     _lock: threading.Lock
     _score_pool: ThreadPoolExecutor | None = None
+
+    @property
+    def tenant(self) -> str:
+        """Deprecated: ``tenant_salt`` (the client's own tenant salt, "" : none)."""
+        warnings.warn("VLLMEngine.tenant is named tenant_salt", DeprecationWarning, stacklevel=2)
+        return self.tenant_salt
 
     def scoring_fingerprint(self, key_space: str) -> str:
         """The connector's: a document's entry is keyed by its ids alone (a chunk
@@ -125,7 +133,7 @@ class VLLMScoring:
         _check_store(store)
         started = time.perf_counter()
         entries = list(dict.fromkeys(tuple(p) for p in prefixes))
-        params = TransferParams(tenant=self.tenant)
+        params = TransferParams(tenant_salt=self.tenant_salt)
         engine: Any = self
         replies = list(self._scoring_pool().map(lambda e: engine._encode(e, params), entries))
         stored = sum(r.stored for r in replies)
@@ -229,7 +237,11 @@ class VLLMScoring:
         self, prompt: list[int], load: int, n_query: int, answers: tuple[int, ...]
     ) -> Outcome:
         pieces = (PieceSpec(0, load),) if load else ()
-        params = TransferParams(load=pieces, tenant=self.tenant, detect=False)
+        # A document's entry at position 0 is exact as turbo loads it: asked for by
+        # name, whatever the server's reuse (blend would recompute it, under a nonce).
+        params = TransferParams(
+            load=pieces, tenant_salt=self.tenant_salt, detect=False, reuse="turbo" if load else ""
+        )
         request = BackendRequest(
             prompt,
             dict(_SCORE),

@@ -14,10 +14,16 @@ import shutil
 import tempfile
 from typing import Any
 
+from kvrag_integrations.chunk_kv import DEFAULT_PRECISION
 from kvrag_integrations.engine.modeling.model import eos_token_ids
 from kvrag_integrations.store import DiskKVStore, KVStore
 from kvrag_integrations.vllm.client.backend import Backend
-from kvrag_integrations.vllm.config import DEFAULT_MEMORY_TIER_BYTES, transfer_config
+from kvrag_integrations.vllm.config import (
+    AUTO_BUDGET,
+    DEFAULT_MEMORY_TIER_BYTES,
+    WORKER_EXTENSION,
+    transfer_config,
+)
 from kvrag_integrations.vllm.launch import engine_args, platform_env
 
 
@@ -25,10 +31,11 @@ def start_local(
     model: str | os.PathLike | None = None,
     *,
     store: str | KVStore | None = None,
-    cache_precision: str = "float16",
+    cache_precision: str = DEFAULT_PRECISION,
     dtype: str | None = None,
     memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES,
-    max_store_bytes: int | str = "auto",
+    max_store_bytes: int | str = AUTO_BUDGET,
+    reuse: str = "blend",
     **vllm_args: Any,
 ) -> tuple[Backend, Any, list[int]]:
     """Start vLLM in this process with the connector: its backend, the model's
@@ -48,6 +55,10 @@ def start_local(
         memory_tier_bytes: the worker's in-memory tier in front of ``store``.
         max_store_bytes: the store's budget: bytes, ``"auto"`` (sized from the
             store) or ``"none"`` (see ``ConnectorSettings``).
+        reuse: ``"blend"`` (default: turbo and blend both run; the workers get the
+            model for blend's recompute through vLLM's ``worker_extension_cls``,
+            and a model blend cannot run on serves turbo only, saying why) or
+            ``"turbo"`` (turbo only).
         **vllm_args: more of vLLM's engine arguments (``max_model_len``,
             ``tensor_parallel_size``, ``kv_cache_memory_bytes``, ...).
 
@@ -60,7 +71,9 @@ def start_local(
     from kvrag_integrations.vllm.client.local import LocalBackend
 
     # This process is the only client: its requests are the operator's own.
-    transfer = _transfer(store, cache_precision, memory_tier_bytes, max_store_bytes)
+    transfer = _transfer(store, cache_precision, memory_tier_bytes, max_store_bytes, reuse)
+    if reuse == "blend":
+        vllm_args.setdefault("worker_extension_cls", WORKER_EXTENSION)
     args = engine_args(model, transfer, dtype=dtype, disable_log_stats=True, **vllm_args)
     for variable, value in platform_env().items():  # read as vLLM starts its engine core
         os.environ.setdefault(variable, value)
@@ -69,7 +82,10 @@ def start_local(
     args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
     folder, name = args["model"], args["served_model_name"]
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LocalBackend(args, name), tokenizer, eos_token_ids(folder, tokenizer)
+    backend = LocalBackend(args, name)
+    if reuse == "blend":
+        backend.attach_blend()
+    return backend, tokenizer, eos_token_ids(folder, tokenizer)
 
 
 def join_server(
@@ -119,7 +135,11 @@ def store_url(store: str | KVStore) -> str:
 
 
 def _transfer(
-    store: str | KVStore | None, precision: str, tier: int, max_store_bytes: int | str
+    store: str | KVStore | None,
+    precision: str,
+    tier: int,
+    max_store_bytes: int | str,
+    reuse: str,
 ) -> dict[str, Any]:
     if store is None:
         folder = tempfile.mkdtemp(prefix="kvrag-vllm-")
@@ -131,4 +151,5 @@ def _transfer(
         memory_tier_bytes=tier,
         max_store_bytes=max_store_bytes,
         trusted_clients=True,
+        reuse=reuse,
     )

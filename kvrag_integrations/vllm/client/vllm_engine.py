@@ -11,9 +11,13 @@ at their entries), then sent to vLLM as token ids:
   tenant and layout (``trust.request_salt``): the connector loads nothing for a
   request without it, and vLLM's own prefix cache never hands its approximate
   blocks to an exact request.
+- ``strategy="blend"``: turbo's load, then the workers recompute the tokens that
+  matter with vLLM's own model (``connector.blend``), with the model's
+  calibrated settings under the call's own options (``recompute_ratio``,
+  ``selection``, ``recompute_first``); under a salt of its own (a nonce), so no
+  other request reads its blocks. A vLLM that cannot blend refuses it at the
+  call (``UnsupportedInputError``, saying why).
 - ``strategy="full"``: plain vLLM, its own (exact) prefix caching included.
-- ``strategy="blend"``: refused (``UnsupportedInputError``): recomputing chosen
-  tokens needs attention inside vLLM that the connector API does not expose.
 
 Chunks are encoded by vLLM's own batched prefill: one prefill-only request
 per entry, all in flight at once, each saved by the connector. A turbo
@@ -31,17 +35,15 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from tqdm.auto import tqdm
-
-from kvrag_integrations.engine.caching.entries import DEFAULT_CHUNK_SUFFIX, ChunkRef
+from kvrag_integrations.engine.caching.entries import DEFAULT_CHUNK_SUFFIX
 from kvrag_integrations.engine.caching.prompt_tokenizer import PromptTokenizer
 from kvrag_integrations.engine.frontend import EngineFrontend
 from kvrag_integrations.engine.modeling.sampling import SamplingParams, check_int
 from kvrag_integrations.engine.prompting.segments import (
-    TokenizedPrompt,
     cache_leading_text,
 )
 from kvrag_integrations.engine.request import Request, RequestOptions
@@ -50,25 +52,26 @@ from kvrag_integrations.engine.scheduling.ledger import EncodeLedger
 from kvrag_integrations.engine.scheduling.miss_policy import DEFAULT_ON_MISS, check_on_miss
 from kvrag_integrations.engine.streaming import Job
 from kvrag_integrations.engine.tools.plan import ToolPlan
-from kvrag_integrations.errors import ConnectorMissingError, TransferParamsError
 from kvrag_integrations.vllm.client import start
 from kvrag_integrations.vllm.client.backend import Backend, BackendRequest, sampling_args
+from kvrag_integrations.vllm.client.encoding import VLLMEncoding
+from kvrag_integrations.vllm.client.reuse import (
+    account,
+    blend_request,
+    check_strategy,
+    load_run,
+)
 from kvrag_integrations.vllm.client.scoring import VLLMScoring
-from kvrag_integrations.vllm.client.turbo import account, check_strategy, load_run
-from kvrag_integrations.vllm.params import PieceSpec, Reply, TransferParams
+from kvrag_integrations.vllm.params import TransferParams
+from kvrag_integrations.vllm.reply import Reply
 from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)
 
-_ENCODE = {"max_tokens": 1, "temperature": 0.0}  # a prefill-only request
 _FINISH = {"abort": "cancelled", None: "length"}
-_MAX_PREFIXES = 256  # leading texts remembered as encoded
-# A request waits this long at most for the background encodes of its pieces (a
-# chunk's prefill takes well under a second; a stuck server must not hold it).
-_AWAIT_ENCODE_S = 30.0
 
 
-class VLLMEngine(VLLMScoring, EngineFrontend):
+class VLLMEngine(VLLMScoring, VLLMEncoding, EngineFrontend):
     """Answers over retrieved chunks on vLLM, reusing their stored KV caches.
 
     Build one with ``from_pretrained`` (vLLM in this process) or ``connect``
@@ -107,7 +110,7 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
         cache_salt: str | None = None,
     ) -> None:
         self.backend = backend
-        self.tenant = Tenant.of_salt(cache_salt).salt or ""
+        self.tenant_salt = Tenant.of_salt(cache_salt).salt or ""
         self.tokenizer = tokenizer
         self.prompts = PromptTokenizer(tokenizer, chunk_suffix)  # chunks encoded alone
         self.cache_prefix = cache_prefix
@@ -193,7 +196,7 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
         """The connector's storage fingerprint (asked once, with a one-token request)."""
         if self._fingerprint is None:
             probe = self.eos_token_ids[:1] or [0]  # any one token: nothing is stored
-            self._run_encode(probe, TransferParams(tenant=self.tenant))
+            self._run_encode(probe, TransferParams(tenant_salt=self.tenant_salt))
         assert self._fingerprint is not None
         return self._fingerprint
 
@@ -202,80 +205,10 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
         return 0
 
     # ---------------------------------------------------------------- chunks
-    def encode_chunks(
-        self,
-        chunks: Sequence[str],
-        *,
-        batch_size: int = 32,
-        show_progress: bool = True,
-        overwrite: bool = False,
-    ) -> list[ChunkRef]:
-        """Have vLLM prefill each chunk alone and the connector store its cache.
-
-        Stored ones cost a one-token request and are not written again (unless
-        ``overwrite``). ``batch_size``: encode requests in flight at once (vLLM
-        batches what is in flight). Returns one ``ChunkRef`` per chunk, in order.
-        """
-        pairs = self.prompts.chunks_to_encode(chunks, self.context_window)
-        entries = list(dict.fromkeys(tuple(entry.tolist()) for _, entry in pairs))
-        params = TransferParams(overwrite=overwrite, tenant=self.tenant)
-        keys: dict[tuple[int, ...], str] = {}
-        step = max(1, batch_size)
-        with tqdm(
-            total=len(entries), desc="Encoding chunk caches", disable=not show_progress
-        ) as bar:
-            for start in range(0, len(entries), step):
-                batch = entries[start : start + step]
-                replies = self._pool.map(partial(self._encode, params=params), batch)
-                for entry, reply in zip(batch, replies):
-                    keys[entry] = reply.keys[0]
-                    bar.update(1)
-        return [ChunkRef(keys[tuple(entry.tolist())], len(ids)) for ids, entry in pairs]
-
-    def _encode(self, entry: Sequence[int], params: TransferParams) -> Reply:
-        save = TransferParams((), (PieceSpec(0, len(entry)),), params.overwrite, self.tenant)
-        return self._run_encode(list(entry), save)
-
-    def _run_encode(self, ids: list[int], params: TransferParams) -> Reply:
-        """One prefill-only request; the connector's reply.
-
-        Raises:
-            ConnectorMissingError: vLLM runs without the connector.
-            TransferParamsError: the connector did not admit it (the reply says why).
-        """
-        request = BackendRequest(
-            ids, dict(_ENCODE), params.salt(), params.as_request(), stream=False
-        )
-        reply = None
-        for event in self.backend.submit(request, threading.Event()):
-            reply = event.reply or reply
-        if reply is None:
-            raise ConnectorMissingError(
-                f"{self.model_name}: vLLM answered without the KVRAGConnector's reply; start it "
-                "with kvrag_integrations.vllm.transfer_config(...) as its kv_transfer_config"
-            )
-        if reply.refused:
-            raise TransferParamsError(f"the KV connector refused the request: {reply.refused}")
-        self._fingerprint = reply.fingerprint
-        return reply
-
-    def encode_in_background(self, entries: Sequence[Sequence[int]]) -> int:
-        """Queue encode requests for entries (by ids) not queued yet; how many were
-        (past ``max_pending`` waiting, the rest are skipped)."""
-        params = TransferParams(tenant=self.tenant)
-        return sum(
-            self._background.submit(entry, partial(self._pool.submit, self._encode, entry, params))
-            for entry in map(tuple, entries)
-        )
-
-    def wait_for_encoding(self, timeout: float | None = None) -> bool:
-        """Wait for background encodes; False if ``timeout`` (s) ran out first."""
-        return self._background.wait(None, timeout)
-
     # --------------------------------------------------------------- requests
     def check_options(self, options: RequestOptions) -> None:
-        """Refuse at the call what vLLM cannot run (``requests.check_strategy``)."""
-        check_strategy(options)
+        """Refuse at the call what vLLM cannot run (``reuse.check_strategy``)."""
+        check_strategy(options, getattr(self.backend, "blend_refused", ""))
 
     def forced_lead(self, plan: ToolPlan) -> str:
         """None: vLLM's structured outputs write the whole call object (``_call_schema``)."""
@@ -283,7 +216,7 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
 
     def request_job(self, request: Request, result: GenerationResult) -> Job:
         """The work a stream's worker runs for a prepared request (``_answer``)."""
-        if request.strategy.name == "turbo" and self.cache_prefix:
+        if request.strategy.name in ("turbo", "blend") and self.cache_prefix:
             request.prompt = cache_leading_text(request.prompt)
         self.prompts.remember(request.prompt)
         return partial(self._answer, request, request.sampling, request.logprobs, result)
@@ -297,9 +230,14 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
         cancel: threading.Event,
     ) -> Iterator[str]:
         prompt = request.prompt
-        run = load_run(self.prompts, prompt) if request.strategy.name == "turbo" else ()
+        name = request.strategy.name
+        run = load_run(self.prompts, prompt) if name in ("turbo", "blend") else ()
         # (this client plans its own loads: the server's detection is for plain clients)
-        params = TransferParams(load=run, tenant=self.tenant, detect=False)
+        params = TransferParams(load=run, tenant_salt=self.tenant_salt, detect=False)
+        if run:  # the reuse it asked for, whatever the server's default
+            params = replace(params, reuse="turbo")
+        if run and name == "blend":
+            params = replace(params, reuse="blend", blend=blend_request(request.strategy_options))
         if run:  # pieces an earlier request left to the background: wait for them
             result.awaited_chunks = self._await_background(prompt, run)
         if run and request.on_miss == "encode":
@@ -316,6 +254,7 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
         )
         cached: int | None = None
         recomputed = 0  # tokens vLLM counts as cached though a failed load recomputed them
+        reply: Reply | None = None
         keep = sampling.max_new_tokens > 0
         for event in self.backend.submit(call, cancel):
             if event.token_ids and not result.ttft_s:
@@ -324,7 +263,7 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
             cached = event.cached_tokens if event.cached_tokens is not None else cached
             if event.reply is not None:
                 self._fingerprint = event.reply.fingerprint
-                recomputed = event.reply.recomputed
+                recomputed, reply = event.reply.recomputed, event.reply
             if event.finish_reason is not None:
                 result.finish_reason = _FINISH.get(event.finish_reason, event.finish_reason)
             if keep:
@@ -341,44 +280,10 @@ class VLLMEngine(VLLMScoring, EngineFrontend):
         result.total_s = time.perf_counter() - request.started
         if cached is not None:
             cached -= recomputed
-        missing = account(result, prompt, run, cached, request.on_miss)
+        missing = account(result, prompt, run, cached, request.on_miss, reply)
         if missing:  # vLLM computed them in the request: encoded for the next one
             ids = prompt.input_ids.tolist()
             result.deferred_chunks = self.encode_in_background([p.entry_ids(ids) for p in missing])
-
-    def _await_background(self, prompt: TokenizedPrompt, run: Sequence[PieceSpec]) -> int:
-        """Wait for the background encodes of ``run``'s pieces (in flight in vLLM:
-        what this request needs to reuse them); how many chunks were awaited."""
-        ids = prompt.input_ids.tolist()
-        kinds = [p.kind for p in prompt.cached_pieces]
-        entries = [(kind, tuple(piece.entry_ids(ids))) for kind, piece in zip(kinds, run)]
-        pending = self._background.pending(entry for _, entry in entries)
-        if not self._background.wait(pending, timeout=_AWAIT_ENCODE_S):
-            logger.warning(
-                "background encodes still running after %.0f s; vLLM computes "
-                "what they have not stored",
-                _AWAIT_ENCODE_S,
-            )
-        return sum(kind == "chunk" and entry in pending for kind, entry in entries)
-
-    def _ensure_prefix(self, prompt: TokenizedPrompt, head: PieceSpec) -> None:
-        """Encode the cached leading text the first time it is seen: the whole run
-        loads only from it on (a few dozen tokens, one small request per template)."""
-        entry = tuple(head.entry_ids(prompt.input_ids.tolist()))
-        with self._lock:
-            known = entry in self._prefixes
-        if not known:
-            self._encode(entry, TransferParams(tenant=self.tenant))
-            with self._lock:
-                self._prefixes[entry] = None
-                while len(self._prefixes) > _MAX_PREFIXES:
-                    self._prefixes.pop(next(iter(self._prefixes)))
-
-    def _encode_all(self, prompt: TokenizedPrompt, run: Sequence[PieceSpec]) -> None:
-        ids = prompt.input_ids.tolist()
-        entries = list(dict.fromkeys(tuple(p.entry_ids(ids)) for p in run))
-        params = TransferParams(tenant=self.tenant)
-        list(self._pool.map(partial(self._encode, params=params), entries))
 
     def close(self) -> None:
         """Stop background encoding and release vLLM (or the connection)."""

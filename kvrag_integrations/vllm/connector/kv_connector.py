@@ -8,14 +8,23 @@ store, and the fingerprint of the weights served (``identity``).
 
 Loads are synchronous: a step that loads writes its pieces before its forward
 (a disk or memory-tier read of a prompt's entries is a small part of the
-prefill it replaces). Saves happen after the forward of the step that
-completes a prompt, before its output is returned, so a client that sees an
-encode request finish finds its entry stored.
+prefill it replaces). A blend load then recomputes part of them with the
+model's own weights (``blend``), which the workers get at start
+(``attach_model``, called through ``worker_extension``).
+
+Saves happen after the forward of the step that completes a prompt, before its
+output is returned, so a client that sees an encode request finish finds its
+entry stored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,9 +33,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
-from kvrag_integrations.store import KVStore, TieredKVStore, open_store
+from kvrag_integrations.engine.blend_settings import REREAD_S, Calibrations
+from kvrag_integrations.engine.modeling.checkpoint_identity import MODEL_TAG, folder_fingerprint
+from kvrag_integrations.store import KVStore, RedisKVStore, TieredKVStore, open_store
 from kvrag_integrations.store.quotas import Quotas
+from kvrag_integrations.store.records import records_for
+from kvrag_integrations.store.redis_client import check_eviction_policy
 from kvrag_integrations.store.sizing import store_budget
 from kvrag_integrations.store.write_budget import StoreBudget
 from kvrag_integrations.vllm.config import (
@@ -35,10 +52,12 @@ from kvrag_integrations.vllm.config import (
     NO_BUDGET,
     ConnectorSettings,
 )
+from kvrag_integrations.vllm.connector import stats
 from kvrag_integrations.vllm.connector.messages import KVRAGConnectorMetadata, KVRAGWorkerMetadata
 from kvrag_integrations.vllm.connector.scheduler_side import SchedulerSide
 from kvrag_integrations.vllm.connector.worker_side import WorkerSide
 from kvrag_integrations.vllm.identity import connector_fingerprints, model_folder, rank_layout
+from kvrag_integrations.vllm.logs import log_beside_vllm
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +82,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_beside_vllm(unless_configured=True)  # (refusals among them, in the server's log)
         transfer = self._kv_transfer_config
         policy = getattr(transfer, "kv_load_failure_policy", LOAD_FAILURE_POLICY)
         if policy != LOAD_FAILURE_POLICY:
@@ -76,18 +96,25 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._fingerprints = connector_fingerprints(vllm_config, precision)
         tp_size = len(self._fingerprints)
         self._backend: KVStore = open_store(self.settings.store)
+        if isinstance(self._backend, RedisKVStore):  # (the budget evicts, never Redis)
+            check_eviction_policy(self._backend.client)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvrag_integrations.vllm.keys import KeyRing
 
             policy = self.settings.policy(KeyRing.from_env())
+            calibrations = self._calibrations(vllm_config)
             self._scheduler = SchedulerSide(
                 self._fingerprints,
                 self._backend.contains,
                 self._request_blocks,
                 policy,
                 lossless=precision == "model",
+                reuse=self.settings.reuse,
+                # (never waits on the store in the engine step: a thread reads it)
+                blend_settings=partial(calibrations.settings_for, read=False),
+                bos_id=getattr(vllm_config.model_config.hf_config, "bos_token_id", None),
             )
         else:
             from vllm.distributed import get_tensor_model_parallel_rank
@@ -112,8 +139,24 @@ class KVRAGConnector(KVConnectorBase_V1):
             role.name.lower(),
             type(self._backend).__name__,
             precision,
-            self._fingerprints[0][:12],
+            self._fingerprints[0],  # (whole: ``kvrag store prune --foreign --fingerprint``)
         )
+
+    def _calibrations(self, vllm_config: VllmConfig) -> Calibrations:
+        """The served model's calibrated blend settings (``engine.blend_settings``),
+        kept current by a thread (read once now, then every minute)."""
+        model = vllm_config.model_config
+        folder = model_folder(model.model, model.revision)
+        identity = folder_fingerprint(folder, MODEL_TAG, canonical=True)
+        calibrations = Calibrations(identity, str(model.served_model_name or folder.name))
+        with contextlib.suppress(ValueError):  # a store without records: bundled ones only
+            calibrations.shelf = records_for(self._backend)
+        if self.settings.reuse == "blend":
+            calibrations.current()
+            threading.Thread(
+                target=_refresh, args=(calibrations,), name="kvrag-calibration", daemon=True
+            ).start()
+        return calibrations
 
     def _budget(self) -> StoreBudget | None:
         """The store's budget (sized from the store where ``"auto"``), its namespaces'
@@ -128,18 +171,38 @@ class KVRAGConnector(KVConnectorBase_V1):
         why = "given"
         if limit == AUTO_BUDGET:
             limit, why = store_budget(self._backend)
+        quotas = self._quotas()
         logger.info(
             "KVRAGConnector: store budget %d bytes (%s); each namespace at most %.0f%% "
-            "of it, %d key namespaces with their own quota",
+            "of it, %d key namespaces with their own quota (now: the key file is read "
+            "again as it changes)",
             limit,
             why,
             100 * settings.namespace_share,
-            sum(1 for quota in settings.namespace_quotas.values() if quota),
+            sum(1 for quota in quotas().named.values() if quota),
         )
-        quotas = Quotas(settings.namespace_share, dict(settings.namespace_quotas))
         return StoreBudget(
             self._backend, int(limit), quotas=quotas, index_log=index_log_for(self._backend)
         )
+
+    def _quotas(self) -> Callable[[], Quotas]:
+        """The namespaces' quotas as the key file says now: its ``quota_bytes`` are
+        read again as it changes, in every process alike (``keys.KeyRing``)."""
+        from kvrag_integrations.vllm.keys import KeyRing, namespace_quotas
+
+        share, given = self.settings.namespace_share, dict(self.settings.namespace_quotas)
+        ring = KeyRing.from_env()
+        made: dict[int, Quotas] = {}  # by the key file read (one object while unchanged)
+
+        def current() -> Quotas:
+            file = ring.current() if ring is not None else None
+            if id(file) not in made:
+                named = {**given, **(namespace_quotas(file) if file is not None else {})}
+                made.clear()
+                made[id(file)] = Quotas(share, named)
+            return made[id(file)]
+
+        return current
 
     # ============================================================ scheduler side
     def _request_blocks(self, request_id: str) -> list[int]:
@@ -162,7 +225,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         if matched and getattr(request, "skip_reading_prefix_cache", False):
             # A request reading prompt log-probabilities skips vLLM's prefix cache
             # (its lookup has run: nothing hit), and vLLM would drop our load too. An
-            # admitted load is exact and the rows after it are computed: keep it
+            # accepted load is exact and the rows after it are computed: keep it
             # (the reranker's query likelihood reads only those rows), but only for
             # ids-only requests: the loaded rows have no log-probabilities, and
             # detokenizing them fails (the OpenAI server always detokenizes; such a
@@ -208,6 +271,8 @@ class KVRAGConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         for request_id, position in getattr(meta, "failed_loads", {}).items():
             self._scheduler.load_failed(request_id, position)
+        for request_id, count in getattr(meta, "blended", {}).items():
+            self._scheduler.recomputed_by_blend(request_id, count)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -228,6 +293,30 @@ class KVRAGConnector(KVConnectorBase_V1):
         assert self._worker is not None
         attention = self._vllm_config.compilation_config.static_forward_context
         self._worker.register(kv_caches, attention)
+
+    def attach_model(self, model: Any) -> str:
+        """Ours (worker, once at start, through ``worker_extension``): the model blend
+        recomputes with; "" where it can, else why not (nothing is attached)."""
+        assert self._worker is not None
+        from kvrag_integrations.vllm.connector.blend import BlendRunner, check_model
+
+        worker = self._worker
+        why = check_model(model, worker.layers, self._vllm_config)
+        if why:
+            logger.warning("KVRAGConnector: blend cannot run on this model: %s", why)
+            return why
+        tp = self._vllm_config.parallel_config.tensor_parallel_size
+        worker.blender = BlendRunner(
+            model,
+            self._vllm_config,
+            worker.caches,
+            worker.layers,
+            worker.names,
+            worker.paged_layout(),
+            tp,
+        )
+        logger.info("KVRAGConnector: blend attached to %s", type(model).__name__)
+        return ""
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """vLLM (worker, before each step's forward): start the loads the step's
@@ -257,7 +346,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         """vLLM (worker, once per step, after the forward, metadata still bound):
         submit the step's saves; a save that outlives the call must keep its
         blocks until it reports done. Here: each entry is read out of the cache
-        and stored before returning (a learned prompt's copy is stored by a writer
+        and stored before returning (a deferred save's copy is stored by a writer
         thread: its blocks are not read again)."""
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -271,8 +360,40 @@ class KVRAGConnector(KVConnectorBase_V1):
         (``kv_load_failure_policy="recompute"``)."""
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """vLLM (each worker after a step, the scheduler after it reads the step's
+        outputs): the connector's counts since the last call, or None. Here: the
+        budget's refused writes (by kind of namespace) and evictions, the refused
+        requests (``stats``: the server logs them and ``/metrics`` counts them)."""
+        if self._worker is not None:
+            return stats.counted(stats.budget_counts(self._worker.budget))
+        return stats.counted(self._scheduler.take_stats()) if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """vLLM (the API server): our counts from their payload."""
+        return stats.KVRAGStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any) -> KVConnectorPromMetrics:
+        """vLLM (the API server, once; its config, metric types, label names and each
+        engine's label values): the connector's Prometheus metrics."""
+        return stats.KVRAGPromMetrics(*args)
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """vLLM (worker, after a step): what to tell the scheduler side (ranks'
         metadata aggregate). Here: the requests whose load failed, and where."""
-        failed = self._worker.take_failed_loads() if self._worker is not None else {}
-        return KVRAGWorkerMetadata(failed) if failed else None
+        if self._worker is None:
+            return None
+        failed, blended = self._worker.take_failed_loads(), self._worker.take_blended()
+        return KVRAGWorkerMetadata(failed, blended) if failed or blended else None
+
+
+def _refresh(calibrations: Calibrations) -> None:
+    """Read the calibration record every minute (off vLLM's engine step)."""
+    while True:
+        time.sleep(REREAD_S)
+        try:
+            calibrations.current()
+        except Exception:  # a store that cannot be reached now: the last one stays
+            logger.exception("the calibration record was not read")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrag_integrations.engine.blend_settings import BlendSettings
+
 try:  # the metadata vLLM carries: its own base classes where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorMetadata,
@@ -45,14 +47,49 @@ class PieceOp:
 
 
 @dataclass(frozen=True)
+class BlendOp:
+    """Recompute part of a loaded run (``blend.BlendRunner``): with ``settings``, over
+    the run's ``chunks`` (``(lo, hi)`` prompt spans: the candidates), its ``texts``
+    (spans always recomputed), after its exact leading ``exact`` positions (the
+    cached leading text: never recomputed); ``tail``: the prompt's ids after the run
+    (the question, whose attention query-driven selection follows)."""
+
+    settings: BlendSettings
+    exact: int
+    chunks: tuple[tuple[int, int], ...]
+    texts: tuple[tuple[int, int], ...] = ()
+    tail: tuple[int, ...] = ()
+
+    @property
+    def recomputed(self) -> int:
+        """How many of the run's rows are recomputed: every text row, each chunk's first
+        ``recompute_first``, and the ratio's share of the chunk rows among the rest
+        (``CacheBlend``'s rule: known before any selection runs).
+
+        Examples:
+            >>> op = BlendOp(BlendSettings(recompute_ratio=0.5, recompute_first=2), 4,
+            ...              ((4, 14), (16, 26)), ((14, 16),))
+            >>> op.recomputed  # 2 text + 2 x 2 starts + half of 20 chunk rows
+            16
+        """
+        first = self.settings.recompute_first
+        chunk_rows = sum(hi - lo for lo, hi in self.chunks)
+        starts = sum(min(first, hi - lo) for lo, hi in self.chunks)
+        picked = min(round(self.settings.recompute_ratio * chunk_rows), chunk_rows - starts)
+        return sum(hi - lo for lo, hi in self.texts) + starts + picked
+
+
+@dataclass(frozen=True)
 class LoadOp:
-    """Write prompt positions ``lo .. hi`` of a request from its pieces."""
+    """Write prompt positions ``lo .. hi`` of a request from its pieces (then, for a
+    blend load, recompute part of them: ``blend``)."""
 
     request_id: str
     block_ids: tuple[int, ...]
     lo: int
     hi: int
     pieces: tuple[PieceOp, ...]
+    blend: BlendOp | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +99,7 @@ class SaveOp:
     request_id: str
     block_ids: tuple[int, ...]
     pieces: tuple[PieceOp, ...]
-    background: bool = False  # stored after the step (a learned prompt: nothing waits)
+    background: bool = False  # stored after the step (a deferred save: nothing waits)
     indexed: bool = True  # announced in the content index (not: a private entry)
 
 
@@ -83,19 +120,24 @@ class KVRAGConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc,valid-ty
 
 class KVRAGWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,valid-type]
     """Sent from the workers to the scheduler after a step: requests whose load
-    failed, and the prompt position vLLM recomputes each from.
+    failed, and the prompt position vLLM recomputes each from; and, for blend
+    loads, how many loaded tokens each recomputed.
 
     Examples:
         >>> a, b = KVRAGWorkerMetadata({"r": 64}), KVRAGWorkerMetadata({"r": 32, "s": 16})
         >>> a.aggregate(b).failed_loads  # tensor-parallel ranks: the earliest wins
         {'r': 32, 's': 16}
+        >>> KVRAGWorkerMetadata({}, {"r": 9}).aggregate(KVRAGWorkerMetadata({}, {"r": 9})).blended
+        {'r': 9}
     """
 
-    def __init__(self, failed_loads: dict[str, int]) -> None:
+    def __init__(self, failed_loads: dict[str, int], blended: dict[str, int] | None = None) -> None:
         self.failed_loads = failed_loads
+        self.blended = blended or {}
 
     def aggregate(self, other: KVRAGWorkerMetadata) -> KVRAGWorkerMetadata:
         merged = dict(self.failed_loads)
         for request_id, position in getattr(other, "failed_loads", {}).items():
             merged[request_id] = min(position, merged.get(request_id, position))
-        return KVRAGWorkerMetadata(merged)
+        # Every rank recomputes the same rows (their scores are summed): one count.
+        return KVRAGWorkerMetadata(merged, {**getattr(other, "blended", {}), **self.blended})

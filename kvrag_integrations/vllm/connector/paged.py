@@ -165,20 +165,37 @@ class PagedLayout:
             view.index_copy_(0, blocks, rows.reshape(count, *shape[1:]))
 
     def read(
-        self, kv_cache: torch.Tensor, slots: torch.Tensor
+        self, kv_cache: torch.Tensor, slots: torch.Tensor, *, to_host: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[n, kv_heads, head_dim]`` of the tokens at ``slots``."""
+        """Keys and values ``[n, kv_heads, head_dim]`` of the tokens at ``slots``, on
+        the host (to store them) or, ``to_host=False``, where the cache is."""
         device = kv_cache.device
         slots = slots.to(device=device, dtype=torch.long)
         blocks, offsets = slots // self.block_size, slots % self.block_size
         unique, which = torch.unique(blocks, return_inverse=True)
-        flat = kv_cache[unique].reshape(unique.numel(), -1)  # each block once
         n, shape = slots.numel(), tuple(self.key_pos.shape[1:])
+        if self.direct is not None and kv_cache.is_contiguous():
+            # whole blocks through strided views, then the rows asked for: one gather
+            # of rows, not of every element (a blend reads a run's K/V per layer)
+            size = self.block_size
+            rows = which * size + offsets
+            out = []
+            for offset, *within in self.direct:
+                view = kv_cache.as_strided(
+                    (kv_cache.shape[0], size, *shape),
+                    (kv_cache.stride(0), *within),
+                    kv_cache.storage_offset() + offset,
+                )
+                picked = view[unique].reshape(-1, *shape)[rows]
+                out.append(picked.cpu() if to_host else picked)
+            return out[0], out[1]
+        flat = kv_cache[unique].reshape(unique.numel(), -1)  # each block once
         rows = which.unsqueeze(1)
         out = []
         for pos in (self.key_pos, self.value_pos):
             picked = flat[rows, pos.to(device)[offsets].reshape(n, -1)]
-            out.append(picked.reshape(n, *shape).cpu())
+            picked = picked.reshape(n, *shape)
+            out.append(picked.cpu() if to_host else picked)
         return out[0], out[1]
 
 

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _TOUCH_EVERY_S = 60.0  # how often a hot entry's use is recorded in the store
-_MAX_LATER = 4  # learned prompts copied out of the cache, waiting for the writer
+_MAX_LATER = 4  # deferred saves copied out of the cache, waiting for the writer
 _READ_THREADS = 4  # entries of one load read at once (I/O and hashing release the GIL)
 
 
@@ -90,7 +90,7 @@ class WorkerSide:
         self.budget = budget
         self.index_log = index_log  # where stored entries are announced (``matching``)
         self._lock = threading.Lock()
-        self._writer: ThreadPoolExecutor | None = None  # stores learned prompts
+        self._writer: ThreadPoolExecutor | None = None  # stores deferred saves
         self._waiting = 0
         self._touched: dict[str, float] = {}
         self.fingerprint = fingerprint
@@ -98,6 +98,9 @@ class WorkerSide:
         self.layout = layout
         self.caches: dict[int, torch.Tensor] = {}  # decoder layer -> its paged cache
         self.layers: dict[int, Any] = {}  # decoder layer -> vLLM's attention layer
+        self.names: dict[int, str] = {}  # decoder layer -> its attention layer's name
+        self.blender: Any = None  # blend.BlendRunner, once the model is attached
+        self.blended: dict[str, int] = {}  # request -> loaded tokens blend recomputed
         self.paged: PagedLayout | None = None
         self.failed_blocks: set[int] = set()
         self.failed_loads: dict[str, int] = {}  # request -> where vLLM recomputes from
@@ -110,11 +113,16 @@ class WorkerSide:
             index = layer_index(name)
             self.caches[index] = cache
             self.layers[index] = attention[name]
+            self.names[index] = name
         if sorted(self.caches) != list(range(self.layout.num_layers)):
             raise ValueError(
                 f"the model has {self.layout.num_layers} layers, vLLM's cache "
                 f"{len(self.caches)}: the connector cannot place entries"
             )
+
+    def paged_layout(self) -> PagedLayout:
+        """How K/V sit in a block of this worker's caches (probed at first use)."""
+        return self._paged()
 
     def _paged(self) -> PagedLayout:
         # Probed at first use: the backend sets up its layers after the caches exist.
@@ -157,6 +165,13 @@ class WorkerSide:
         try:
             if hi > op.lo:
                 self._write(op, ready, hi)
+            if op.blend is not None:  # a blend load: all of it, or none (computed exactly)
+                if failed_at is not None or self.blender is None or op.lo:
+                    why = "no model attached" if self.blender is None else "a partial load"
+                    raise RuntimeError(f"blend needs the whole run loaded ({why})")
+                ids = torch.tensor(_run_ids(op), dtype=torch.long)
+                slots = self.slots(op.block_ids, 0, op.hi)
+                self.blended[op.request_id] = self.blender.run(op.blend, ids, slots)
         except Exception:
             logger.exception("loading request %s failed; its blocks are recomputed", op.request_id)
             failed_at = op.lo
@@ -284,11 +299,11 @@ class WorkerSide:
         return stored
 
     def _later(self, request_id: str, kv: ChunkKV, indexed: bool = True) -> int:
-        """Store ``kv`` on the writer thread (at most ``_MAX_LATER`` waiting: learning is
+        """Store ``kv`` on the writer thread (at most ``_MAX_LATER`` waiting: a deferred save is
         best effort, the cache's memory is not)."""
         with self._lock:
             if self._waiting >= _MAX_LATER:
-                logger.info("request %s: learned entry dropped (writer busy)", request_id)
+                logger.info("request %s: deferred entry dropped (writer busy)", request_id)
                 return 0
             self._waiting += 1
         if self._writer is None:
@@ -309,11 +324,11 @@ class WorkerSide:
         try:
             kv = kv.stored_as(self.precision)
             with self._lock:  # the budget's accounting: one writer at a time
-                admitted = self.budget is None or self.budget.admit(
+                allowed = self.budget is None or self.budget.allow_write(
                     _entry_bytes(kv), kv.fingerprint, kv.key
                 )
-                if not admitted:
-                    logger.info("request %s: no room for its entry within its quota", request_id)
+                if not allowed:  # (counted too: ``stats.budget_counts``)
+                    logger.info("request %s: entry refused: no room within its quota", request_id)
                     return 0
                 self.store.put(kv)
         except StoreWriteError as exc:
@@ -348,6 +363,20 @@ class WorkerSide:
     def take_failed_loads(self) -> dict[str, int]:
         failed, self.failed_loads = self.failed_loads, {}
         return failed
+
+    def take_blended(self) -> dict[str, int]:
+        blended, self.blended = self.blended, {}
+        return blended
+
+
+def _run_ids(op: LoadOp) -> list[int]:
+    """The prompt ids of a load's positions ``0 .. hi`` (each piece's span of its entry)."""
+    ids: list[int] = []
+    for piece in op.pieces:
+        ids += piece.entry_ids[piece.offset : piece.offset + piece.rows]
+    if len(ids) != op.hi:
+        raise ValueError(f"the pieces cover {len(ids)} positions, not {op.hi}")
+    return ids
 
 
 def _entry_of(piece: PieceOp) -> tuple[str, tuple[int, ...]]:

@@ -6,5 +6,6 @@
 - ``reuse_hook``: every request that reaches the model: its admission signed
   into what the connector reads, its salt, and (``detection``) the stored
   passages found in its token ids.
-- ``serve``: the command that starts vLLM's server with all of it.
+- ``command``: the command that starts vLLM's server with all of it
+  (``python -m kvrag_integrations.vllm.serve`` runs it).
 """

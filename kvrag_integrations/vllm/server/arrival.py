@@ -12,26 +12,42 @@ never a reason to skip admission.
 The request's admission and its parsed params then ride with its handling in
 a context variable (``ARRIVAL``): vLLM's handlers run inside the gateway's call
 (and the tasks they start copy it), so the server's hook reads them where the
-request reaches the model (``current``), and parses nothing again.
+request reaches the model (``current``), and parses nothing again. One API
+request may reach the model several times (a beam search calls it once per
+beam and step): the hook plans it once, at the first, and keeps the plan with
+its arrival (``Planned``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvrag_integrations.errors import KVRAGError, TransferParamsError
 from kvrag_integrations.vllm.admission import Admission
-from kvrag_integrations.vllm.params import PARAMS_KEY, TransferParams
+from kvrag_integrations.vllm.params import PARAMS_KEY, SERVER_FIELDS, PieceSpec, TransferParams
+from kvrag_integrations.vllm.trust import MAX_SALT_CHARS
 
 MAX_DEPTH = 64  # nesting of a request body's JSON: far more than any request needs
-MAX_SALT_CHARS = 256  # a cache_salt: a secret, not a document
 
 
 class BadRequest(KVRAGError, ValueError):
     """A request body the server refuses (HTTP 400), with the reason."""
+
+
+@dataclass
+class Planned:
+    """The hook's plan of one admitted request, made at its first call of the
+    engine client (its prompt's ids, the load planned for them), and set (``ready``)
+    once made: a later call of the same request waits for it and reuses the load
+    where its prompt starts with those ids."""
+
+    ids: tuple[int, ...] = ()
+    load: tuple[PieceSpec, ...] = ()
+    ready: asyncio.Event | None = None  # None: not planned yet
 
 
 @dataclass(frozen=True)
@@ -42,11 +58,15 @@ class Arrival:
         cache_salt: the client's ``cache_salt`` (None: none).
         params: our ``kv_transfer_params["kvrag"]`` (None: the client sent none).
         admission: what the request may do (``admission.ClientPolicy.admit``).
+        plan: the hook's plan of it, made once (``Planned``).
+        caller: who sent it, for its share of the engine (``shares.caller_of``).
     """
 
     cache_salt: str | None = None
     params: TransferParams | None = None
     admission: Admission | None = None
+    caller: str = ""
+    plan: Planned = field(default_factory=Planned, compare=False, repr=False)
 
 
 ARRIVAL: ContextVar[Arrival | None] = ContextVar("kvrag_arrival", default=None)
@@ -91,8 +111,9 @@ def read_body(body: bytes) -> Arrival:
     if transfer is not None and not isinstance(transfer, dict):
         raise BadRequest("kv_transfer_params is an object")
     ours = transfer.get(PARAMS_KEY) if transfer is not None else None
-    if isinstance(ours, dict) and "admission" in ours:
-        raise BadRequest("an admission is the server's to write, not a client's")
+    written = sorted(set(ours) & set(SERVER_FIELDS)) if isinstance(ours, dict) else []
+    if written:  # an admission, a request's private namespace: the server's alone
+        raise BadRequest(f"{', '.join(written)}: the server's to write, not a client's")
     try:
         params = TransferParams.from_request(transfer)
     except TransferParamsError as exc:

@@ -3,8 +3,8 @@
 A client that only points an OpenAI SDK at the server sends text; vLLM renders
 and tokenizes it as a whole. ``Detector.detect`` reads those token ids, asks
 the content index (``matching``) for the runs of them that also occur inside
-stored entries (chunks ingested through the server, prompts and glue learned
-from earlier requests), and plans the load a ``VLLMEngine`` client would have
+stored entries (chunks ingested through the server, prompts learned and glue
+stored from earlier requests), and plans the load a ``VLLMEngine`` client would have
 asked for: the prompt's leading run of stored pieces, each read from inside its
 entry where it sits there (``PieceSpec.lead``), its keys moved to where it sits
 now. The run stops at the first text that is in no entry; vLLM computes the rest.
@@ -55,7 +55,7 @@ from kvrag_integrations.matching import ContentIndex
 from kvrag_integrations.vllm.config import DEFAULT_LEARN_MIN_TOKENS, DEFAULT_MAX_ENTRY_TOKENS
 from kvrag_integrations.vllm.params import PieceSpec
 
-MAX_GLUE_TOKENS = 32  # text between two found passages that is looked up (and learned) as glue
+MAX_GLUE_TOKENS = 32  # text between two found passages that is looked up (and stored) as glue
 # A longer unknown text before the first found passages (a new question and an agent's
 # tool call ahead of the tool's passages) is no glue: the prompt's prefix up to them, at
 # most this long, is computed exactly and stored first (``Detection.prefix``), where at
@@ -140,8 +140,8 @@ class Detector:
         base_fingerprint: the connector's storage fingerprint (rank 0); a tenant's
             entries are keyed under ``Tenant.fingerprint(base_fingerprint)``.
         max_entry_tokens: the longest prompt stored as an entry.
-        learn_min_tokens: shorter prompts and remainders are not learned (0: the
-            server learns nothing; it still finds what was ingested).
+        learn_min_tokens: shorter prompts are not learned, nor remainders stored (0:
+            the server learns nothing; it still finds what was ingested).
         control_ids: the model's structural token ids (``markup_after``).
     """
 
@@ -281,7 +281,7 @@ class Detector:
         else the tenant's (None: not stored)."""
         if own is not None:
             ready = span in own.ready
-            return PieceSpec(start, len(span), own.tail, private=True) if ready else None
+            return PieceSpec(start, len(span), own.tail, own=True) if ready else None
         return PieceSpec(start, len(span)) if self._stored(fingerprint, span) else None
 
     def _stored(self, fingerprint: str, ids: Sequence[int]) -> bool:

@@ -7,12 +7,15 @@ does three things, in this order:
    operator's key file (``serve --tenant-keys``: ``keys.KeyRing``, read again
    when it changes) and among vLLM's own ``--api-key`` keys (``keys.ApiKeys``),
    alike. Only ``OPEN_ROUTES`` (health, ping, version: they reach no model and
-   count nobody's traffic) need no key. Every other route (an allow-list, so a
-   route a later vLLM adds is guarded too) answers 401 without a key where the
-   key file says ``"anonymous": "none"`` or ``--api-key`` is given. vLLM's
-   ``/metrics`` counts every caller's traffic (prefix-cache queries and hits
-   among it): it needs an admin key of the key file, unless the operator opens
-   it (``serve --open-metrics``); at the defaults nobody reads it.
+   count nobody's traffic) need no key, and an ``OPTIONS`` request (a browser's
+   CORS preflight carries none; vLLM's own key check lets it by too). Every
+   other route (an allow-list, so a route a later vLLM adds is guarded too)
+   answers 401 without a key where the key file says ``"anonymous": "none"``
+   or ``--api-key`` is given. vLLM's ``/metrics`` counts every caller's traffic
+   (prefix-cache queries and hits among it): it needs an admin key of the key
+   file, unless the operator opens it (``serve --open-metrics``), whatever the
+   method and whatever the root path (matched as Starlette routes it:
+   ``route_path``); at the defaults nobody reads it.
 2. **Bad input is a 4xx, here.** A JSON body is read whole (more than
    ``MAX_BODY`` bytes: 413) and its fields the server acts on are checked once
    (``arrival.read_body``: 400 with the reason); the model never sees it.
@@ -21,7 +24,8 @@ does three things, in this order:
    request's own salt and private namespace. It rides with the request's
    handling (``arrival.ARRIVAL``) to the server's hook, which signs it into what
    the connector reads and sets the request's salt; the body reaches vLLM as
-   the client sent it.
+   the client sent it. So does who sent it (``shares.caller_of``: the key's
+   holder, else the client's address), for its share of the engine.
 
 The policy is the connector's own (its settings, read from the server's vLLM
 config by ``startup.ReuseInstaller``, which runs first); a server without our
@@ -40,7 +44,8 @@ from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.vllm.admission import ClientPolicy
 from kvrag_integrations.vllm.keys import KEYS_ENV, ApiKeys, KeyRing
 from kvrag_integrations.vllm.server.arrival import ARRIVAL, Arrival, BadRequest, read_body
-from kvrag_integrations.vllm.trust import Grant, stricter
+from kvrag_integrations.vllm.server.shares import caller_of
+from kvrag_integrations.vllm.trust import Grant, key_digest, stricter
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +86,14 @@ class TenantGateway:
         if kind not in ("http", "websocket"):  # lifespan
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "").removeprefix(scope.get("root_path", "") or "")
+        path = route_path(scope)
         state = getattr(scope.get("app"), "state", None)
         policy: ClientPolicy | None = getattr(state, POLICY_STATE, None)
         grant = self._grant(_bearer(scope), policy)
-        if not self._may_reach(path, grant, bool(getattr(state, OPEN_METRICS_STATE, False))):
+        open_metrics = bool(getattr(state, OPEN_METRICS_STATE, False))
+        metrics = any(p.startswith(METRICS) for p in (path, scope.get("path", "")))
+        options = scope.get("method") == "OPTIONS"
+        if not self._may_reach(path, metrics, grant, open_metrics, options):
             await _refuse(scope, send)
             return
         body = None
@@ -97,10 +105,11 @@ class TenantGateway:
         try:
             arrival = read_body(body) if body is not None else Arrival()
             if policy is not None:
-                tenant_salt = arrival.params.tenant if arrival.params is not None else ""
+                tenant_salt = arrival.params.tenant_salt if arrival.params is not None else ""
                 role = self.anonymous_role(policy)
                 admission = policy.admit(grant, arrival.cache_salt, tenant_salt, role)
-                arrival = Arrival(arrival.cache_salt, arrival.params, admission)
+                caller = caller_of(scope, grant)
+                arrival = Arrival(arrival.cache_salt, arrival.params, admission, caller=caller)
         except (BadRequest, TransferParamsError) as exc:
             await _answer(send, 400, str(exc))
             return
@@ -121,16 +130,17 @@ class TenantGateway:
                 return grant
         if self.api_keys is not None and self.api_keys.holds(key):
             role = policy.client_role if policy is not None else "read"
-            return Grant("", role)
+            secret = policy.secret if policy is not None and policy.secret else b""
+            return Grant("", role, holder=key_digest(key, secret))  # a salt of its own
         return None
 
-    def _may_reach(self, path: str, grant: Grant | None, open_metrics: bool) -> bool:
-        if path in OPEN_ROUTES:
-            return True
-        if path.startswith(METRICS):
+    def _may_reach(
+        self, path: str, metrics: bool, grant: Grant | None, open_metrics: bool, options: bool
+    ) -> bool:
+        if metrics:  # (by the route's path or the raw one)
             return open_metrics or (grant is not None and grant.role == "admin")
-        if grant is not None:
-            return True
+        if options or grant is not None or path in OPEN_ROUTES:
+            return True  # (OPTIONS: a CORS preflight carries no key, as vLLM lets it by)
         closed = self.api_keys is not None or (
             self.ring is not None and self.ring.current().anonymous == "none"
         )
@@ -142,6 +152,23 @@ class TenantGateway:
         if self.ring is None or self.ring.current().anonymous == "none":
             return policy.client_role
         return stricter(policy.client_role, self.ring.current().anonymous)
+
+
+def route_path(scope: Scope) -> str:
+    """The path a route is matched by, as Starlette takes it: the root path taken
+    off only where a ``/`` follows it (``/metrics`` under root path ``/m`` is
+    ``/metrics``, not ``etrics``).
+
+    Examples:
+        >>> route_path({"path": "/metrics", "root_path": "/m"})
+        '/metrics'
+        >>> route_path({"path": "/m/v1/models", "root_path": "/m"})
+        '/v1/models'
+    """
+    path, root = scope.get("path", ""), scope.get("root_path", "") or ""
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("/", ""):
+        return path[len(root) :]
+    return path
 
 
 def _json_body(scope: Scope) -> bool:

@@ -6,18 +6,29 @@ that one method (installed at the server's startup on its own engine client,
 ``startup.install``), so every route that reaches the model passes it.
 
 1. **Admission.** The request's admission was made where it entered
-   (``gateway``; ``arrival.current``); the hook makes one only for a request
-   that did not pass the gateway (a server started without it), from what the
-   request carries, with no key. It signs it into the connector's
-   ``kv_transfer_params`` and sets the request's ``cache_salt`` to the one a
-   load of its layout must carry (``trust.request_salt``), before anything
-   else: whatever happens next, the request never runs without the salt the
-   server chose. A prompt that cannot carry a salt is refused (HTTP 400).
+   (``gateway``; ``arrival.current``): the one path; a request that did not pass
+   the gateway is refused. The hook signs it, bound to this engine request
+   (``Admission.bound``), into the connector's ``kv_transfer_params`` and sets
+   the request's ``cache_salt`` to the one a load of its layout must carry
+   (``trust.request_salt``), before anything else: whatever happens next, the
+   request never runs without the salt the server chose. A prompt that cannot
+   carry a salt is refused (HTTP 400).
 2. **Reuse.** With detection on, it finds the stored passages in the request's
    token ids (``detection``) and writes the load a ``VLLMEngine`` client would
-   have asked for. From there on the request is an ordinary one: the connector
-   admits it, vLLM streams, samples, parses tools and structured output as
-   always, and ``usage.prompt_tokens_details`` counts what was loaded.
+   have asked for: turbo's, or blend's where the request asks for it or the
+   server's ``reuse`` is blend (a fresh nonce in its layout: its salt, and so
+   the blocks its recompute writes, are its own). From there on the request is
+   an ordinary one: the connector accepts it, vLLM streams, samples, parses
+   tools and structured output as always, and ``usage.prompt_tokens_details``
+   counts what was loaded.
+
+A caller's heavy request waits while its previous one is in prefill and
+others have requests in flight (``shares``); what reuse makes of one never does.
+
+One API request is planned once: a beam search calls the engine client once
+per beam and step under one admission; the first call plans (and encodes what
+it needs), the later ones wait for that plan and reuse its load where their
+prompt starts with the planned one (``arrival.Planned``), encoding nothing.
 
 Detection is skipped (the request then runs exactly, under its salt) where the
 request carries a plan of its own (a ``VLLMEngine`` client), opts out
@@ -27,7 +38,8 @@ multimodal input (entries hold the base model's text K/V), or where nothing
 stored is found; the reason is logged at debug level.
 
 What is stored of what a request sent follows its admission: a tenant that
-keeps learns its prompts, glue and prefixes into its own namespace; a request
+keeps has its prompts learned, and its glue and prefixes stored, in its
+own namespace; a request
 with a private namespace (an anonymous caller) has its glue and prefix
 encoded for it alone (``detection.Own``: ids ending in a secret suffix drawn
 for the request, never indexed), reads them as its pieces, and they are
@@ -40,7 +52,6 @@ import asyncio
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,14 +59,20 @@ from typing import Any
 from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.matching import ContentIndex
 from kvrag_integrations.vllm.admission import Admission, ClientPolicy
-from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
+from kvrag_integrations.vllm.config import DEFAULT_REUSE
+from kvrag_integrations.vllm.params import PARAMS_KEY, BlendRequest, PieceSpec, TransferParams
 from kvrag_integrations.vllm.server.arrival import Arrival, BadRequest, current
 from kvrag_integrations.vllm.server.detection import Detector, Own
-from kvrag_integrations.vllm.trust import Tenant, request_salt
+from kvrag_integrations.vllm.server.encodes import Encodes, vllm_sampling_params
+from kvrag_integrations.vllm.server.shares import ComputeShares
+from kvrag_integrations.vllm.trust import (
+    Tenant,
+    request_salt,
+)
 
 logger = logging.getLogger(__name__)
 
-MAX_BACKGROUND_ENCODES = 16  # a tenant's encodes in flight at once (more are dropped)
+MAX_PENDING_PROMPTS = 16  # prompts being stored after their answer, awaited by others
 GLUE_WAIT_S = 5.0  # the longest a request waits for a tenant's glue to be stored
 # ... and for its prefix, or its own texts: computed anyway, so waiting costs
 # nothing, but giving up computes them twice
@@ -77,10 +94,18 @@ class _Request:
     arrival: Arrival
     admission: Admission
     request_id: str
+    loaded: int = 0  # prompt tokens its load reads from storage (the rest are computed)
 
     @property
     def params(self) -> TransferParams:
         return self.arrival.params or TransferParams()
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the engine computes for it (vLLM's own prefix cache may
+        hold some of them: an upper bound)."""
+        ids = self.prompt.get("prompt_token_ids")
+        return max(0, len(ids) - self.loaded) if isinstance(ids, list) else 0
 
 
 class ReuseHook:
@@ -95,6 +120,7 @@ class ReuseHook:
             vLLM's ``SamplingParams``).
         forget: deletes a request's private entries once it is answered (None:
             the store's budget evicts them).
+        reuse: the server's reuse for requests that name none (``config.REUSE_MODES``).
     """
 
     def __init__(
@@ -104,13 +130,17 @@ class ReuseHook:
         policy: ClientPolicy,
         sampling_params: Callable[..., Any] | None = None,
         forget: Forget | None = None,
+        reuse: str = DEFAULT_REUSE,
     ):
+        self.reuse = reuse
         self.generate_inner = generate
         self.forget = forget
         self.detector = detector
         self.policy = policy
-        self.sampling_params = sampling_params or _vllm_sampling_params
-        self._encoding: dict[str, asyncio.Task[bool]] = {}  # a tenant's encodes, by key
+        self.shares = ComputeShares()
+        self.encodes = Encodes(
+            generate, policy, sampling_params or vllm_sampling_params, shares=self.shares
+        )
         # prompts this server asked to store whole, until the index has them
         self._pending: dict[tuple[str, int], tuple[str, list[int], float]] = {}
         self._pending_index = ContentIndex()
@@ -118,54 +148,58 @@ class ReuseHook:
     async def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
-        request = self.admit(prompt, sampling_params, kwargs, request_id)
+        request = self.request_of(prompt, sampling_params, kwargs, request_id)
         self._write(request, request.params)  # its salt, before anything can fail
         own: list[tuple[asyncio.Task[bool], list[int]]] = []
+        plan, caller = request.arrival.plan, request.arrival.caller
         try:
-            try:
-                await self.prepare(request, own)
-            except Exception:  # never a crash here: the request then runs exactly, salted
-                logger.exception("request %s: reuse not planned; runs exactly", request_id)
-            async for output in self.generate_inner(
-                prompt, sampling_params, request_id, *args, **kwargs
-            ):
-                yield output
+            async with self.shares.active(caller):
+                if plan.ready is None:  # the admitted request's first call: planned once
+                    plan.ready = asyncio.Event()
+                    try:
+                        await self.prepare(request, own)
+                    except Exception:  # never a crash here: it then runs exactly, salted
+                        logger.exception("request %s: reuse not planned; runs exactly", request_id)
+                    finally:
+                        plan.ready.set()
+                else:  # another call of it (a beam, a step): the plan made, nothing encoded
+                    await plan.ready.wait()
+                    self._reuse_plan(request)
+                # its turn where it computes much and its caller has a prefill running
+                async with self.shares.lane(caller, request.computed_tokens) as lane:
+                    async for output in self.generate_inner(
+                        prompt, request.sampling_params, request_id, *args, **kwargs
+                    ):
+                        lane.release()  # (its prefill is done)
+                        yield output
         finally:  # (a request cancelled while planned too)
             for task, ids in own:  # its own entries, used: dropped once stored
                 task.add_done_callback(lambda _, ids=ids: self._forget(request.admission, ids))
 
-    def admit(
+    def request_of(
         self, prompt: Any, sampling_params: Any, kwargs: Mapping[str, Any], request_id: str = ""
     ) -> _Request:
-        """The request with its admission: the gateway's, or (a request that did
-        not pass the gateway) one made here from what it carries, with no key.
+        """The request with the admission the gateway made where it entered (the one
+        admission path).
 
         Raises:
-            BadRequest: a prompt that cannot carry a salt (not a dict), or params of
-                ours that do not parse.
-            TransferParamsError: a client salt in the server's salts' space.
+            BadRequest: a prompt that cannot carry a salt (not a dict), a request
+                that did not pass the gateway, or params of ours beyond its prompt.
         """
         if not isinstance(prompt, dict):
-            raise BadRequest(f"a prompt of type {type(prompt).__name__} cannot be admitted")
+            raise BadRequest(f"a prompt of type {type(prompt).__name__} cannot carry a salt")
         arrival = current()
         if arrival is None or arrival.admission is None:
-            extra = getattr(sampling_params, "extra_args", None) or {}
-            transfer = extra.get("kv_transfer_params") if isinstance(extra, Mapping) else None
-            params = TransferParams.from_request(transfer)  # (TransferParamsError: a 400)
-            if params is not None and params.admission is not None:
-                raise BadRequest("an admission is the server's to write, not a client's")
-            salt = prompt.get("cache_salt")
-            tenant = params.tenant if params is not None else ""
-            admission = self.policy.admit(None, salt, tenant)
-            arrival = Arrival(salt, params, admission)
-        assert arrival.admission is not None
+            raise BadRequest("the request has no admission: it did not pass the server's gateway")
         ids = prompt.get("prompt_token_ids")
         if arrival.params is not None and isinstance(ids, list):
             try:
                 arrival.params.check_prompt(len(ids))
             except TransferParamsError as exc:  # (a ValueError: vLLM answers 400)
                 raise BadRequest(f"kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from None
-        return _Request(prompt, sampling_params, kwargs, arrival, arrival.admission, request_id)
+        # (a copy: a beam search hands one object to every beam's call)
+        own = sampling_params.clone() if hasattr(sampling_params, "clone") else sampling_params
+        return _Request(prompt, own, kwargs, arrival, arrival.admission, request_id)
 
     # ------------------------------------------------------------ planning
     async def prepare(
@@ -181,8 +215,8 @@ class ReuseHook:
         admission = request.admission
         fingerprint = admission.tenant.fingerprint(self.detector.base_fingerprint)
         mine = None
-        if admission.private is not None:
-            private = admission.private.fingerprint(self.detector.base_fingerprint)
+        if admission.own is not None:
+            private = admission.own.fingerprint(self.detector.base_fingerprint)
             mine = Own(private, _secret_tail(ids))
         detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
         if detection.glue:
@@ -219,11 +253,21 @@ class ReuseHook:
         for span in detection.remainder:
             self._encode(span, request, None)
         if detection.load:
-            self._write(request, replace(request.params, load=detection.load))
+            request.arrival.plan.ids, request.arrival.plan.load = tuple(ids), detection.load
+            self._write(request, self._reused(request.params, detection.load))
         elif detection.learn_prompt:
             learned = replace(request.params, save=(PieceSpec(0, len(ids)),), deferred=True)
             self._write(request, learned)
             self._pending_add(fingerprint, ids)
+
+    def _reused(self, params: TransferParams, load: tuple[PieceSpec, ...]) -> TransferParams:
+        """``params`` loading ``load`` with the reuse the request asked for (the
+        server's where it named none); a blend load gets a fresh nonce."""
+        reuse = params.reuse or self.reuse
+        if reuse != "blend":
+            return replace(params, load=load, reuse=reuse)
+        blend = replace(params.blend or BlendRequest(), nonce=secrets.token_hex(16))
+        return replace(params, load=load, reuse=reuse, blend=blend)
 
     def _eligible(self, request: _Request) -> tuple[str, list[int]]:
         """Why detection does not run for the request ("" : it does), and its ids."""
@@ -245,12 +289,24 @@ class ReuseHook:
             return "it plans its own loads or saves (a VLLMEngine client)", []
         return "", ids
 
+    def _reuse_plan(self, request: _Request) -> None:
+        """A later call of a planned request: the plan's load, where its prompt starts
+        with the planned prompt (a beam's: the prompt and the tokens it chose)."""
+        plan, ids = request.arrival.plan, request.prompt.get("prompt_token_ids")
+        why, _ = self._eligible(request)
+        if plan.load and not why and tuple(ids[: len(plan.ids)]) == plan.ids:
+            self._write(request, self._reused(request.params, plan.load))
+
     def _write(self, request: _Request, params: TransferParams) -> None:
         """The request's params as the connector reads them (its admission signed
-        in, no field of another connector's) and the salt its layout needs."""
+        in, bound to its prompt; no field of another connector's) and the salt its
+        layout needs."""
         secret = self.policy.secret
-        signed = request.admission.signed(secret) if secret is not None else None
-        params = replace(params, admission=signed, tenant="")
+        ids = request.prompt.get("prompt_token_ids")
+        bound = request.admission.bound(ids if isinstance(ids, list) else [])
+        signed = bound.signed(secret) if secret is not None else None
+        params = replace(params, admission=signed, tenant_salt="")
+        request.loaded = sum(piece.rows for piece in params.load)
         salt = request_salt(request.admission.tenant, params.layout)
         if salt is None:
             request.prompt.pop("cache_salt", None)
@@ -265,9 +321,7 @@ class ReuseHook:
             if now - since > STORED_WAIT_S:  # stored by now, or dropped: forget it
                 del self._pending[key]
                 self._pending_index.remove(fp, entry)
-        if len(self._pending) < MAX_BACKGROUND_ENCODES and self._pending_index.add(
-            fingerprint, ids
-        ):
+        if len(self._pending) < MAX_PENDING_PROMPTS and self._pending_index.add(fingerprint, ids):
             self._pending[(fingerprint, hash(tuple(ids)))] = (fingerprint, ids, now)
 
     async def _await_stored(self, fingerprint: str, ids: list[int], loaded: int) -> bool:
@@ -305,54 +359,24 @@ class ReuseHook:
         """Encode ``span`` on its own (as a chunk is) and store it: in the request's
         own namespace under its secret suffix (``mine``; never indexed, awaited by
         the request alone), else in its tenant's namespace, where the tenant's
-        next request finds it (one encode per span at once, at most
-        ``MAX_BACKGROUND_ENCODES``). The task (True: stored; None: dropped)."""
+        next request finds it (``encodes.Encodes``: bounded per tenant). The task
+        (True: stored; None: dropped)."""
         admission = request.admission
         ids = [*span, *mine.tail] if mine is not None else list(span)
-        save = TransferParams(save=(PieceSpec(0, len(ids)),), private=mine is not None)
+        save = TransferParams(save=(PieceSpec(0, len(ids)),), own_save=mine is not None)
         if mine is not None:  # its own: no other request waits on it, nor is held up
-            return asyncio.get_running_loop().create_task(self._run_encode(ids, admission, save))
+            return self.encodes.own(ids, admission, save)
         key = f"{admission.tenant.namespace}:{hash(span)}"
-        if key in self._encoding:
-            return self._encoding[key]
-        if len(self._encoding) >= MAX_BACKGROUND_ENCODES:
-            return None
-        task = asyncio.get_running_loop().create_task(self._run_encode(ids, admission, save))
-        self._encoding[key] = task
-        task.add_done_callback(lambda _: self._encoding.pop(key, None))
-        return task
-
-    async def _run_encode(
-        self, ids: list[int], admission: Admission, params: TransferParams
-    ) -> bool:
-        prompt: dict[str, Any] = {"type": "token", "prompt_token_ids": ids}
-        secret = self.policy.secret
-        signed = admission.signed(secret) if secret is not None else None
-        params = replace(params, admission=signed)
-        salt = request_salt(admission.tenant, [])  # exact: its tenant's own salt
-        if salt is not None:
-            prompt["cache_salt"] = salt
-        extra = {"kv_transfer_params": params.as_request()}
-        sampling = self.sampling_params(max_tokens=1, extra_args=extra)
-        # unique across the server's API processes (each has its own hook)
-        request_id = f"kvrag-encode-{uuid.uuid4().hex}"
-        try:
-            async for _ in self.generate_inner(prompt, sampling, request_id):
-                pass
-        except Exception as exc:  # best effort: the request then loads less
-            logger.info("encode %s failed: %s", request_id, exc)
-            return False
-        return True
+        return self.encodes.shared(key, ids, admission, save)
 
     def _forget(self, admission: Admission, ids: list[int]) -> None:
-        if self.forget is not None and admission.private is not None:
+        if self.forget is not None and admission.own is not None:
             loop = asyncio.get_running_loop()
-            loop.run_in_executor(None, self.forget, admission.private, ids)
+            loop.run_in_executor(None, self.forget, admission.own, ids)
 
     async def drain(self) -> None:
         """Wait for the tenants' encodes in flight (tests, shutdown)."""
-        while self._encoding:
-            await asyncio.gather(*list(self._encoding.values()), return_exceptions=True)
+        await self.encodes.drain()
 
 
 def _stored(task: asyncio.Task[bool]) -> bool:
@@ -365,12 +389,6 @@ def _secret_tail(prompt: Sequence[int]) -> tuple[int, ...]:
     can name them."""
     draw = secrets.SystemRandom()
     return tuple(draw.choice(prompt) for _ in range(SECRET_TAIL_TOKENS))
-
-
-def _vllm_sampling_params(**kwargs: Any) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(**kwargs)
 
 
 def _set_params(sampling_params: Any, transfer: dict[str, Any]) -> None:

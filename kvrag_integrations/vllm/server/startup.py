@@ -8,18 +8,22 @@ each request's admission is signed into what the connector reads and its salt
 set, and, unless ``serve --no-detect``, stored passages are found in plain
 clients' requests. It leaves the server's policy in the app's state, where the
 gateway makes each request's admission by it. A hook that cannot be installed
-stops the server: it would serve every request unsalted.
+stops the server (it would serve every request unsalted), and no request
+passes before it is installed.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import sys
+import signal
 from collections.abc import Sequence
 from typing import Any
 
-from kvrag_integrations.vllm.config import CONNECTOR_CLASS, ConnectorSettings
+from kvrag_integrations.errors import UnsupportedModelError
+from kvrag_integrations.vllm.config import ATTACH_METHOD, CONNECTOR_CLASS, ConnectorSettings
+from kvrag_integrations.vllm.logs import log_beside_vllm
 from kvrag_integrations.vllm.server.detection import Detector
 from kvrag_integrations.vllm.server.gateway import (
     OPEN_METRICS_STATE,
@@ -36,32 +40,68 @@ logger = logging.getLogger(__name__)
 
 
 class ReuseInstaller:
-    """ASGI middleware that wraps the server's engine client once (``install``)."""
+    """ASGI middleware that wraps the server's engine client once (``install``).
+
+    No request reaches a route before the hook is installed: at the lifespan
+    startup (a hook that cannot be installed fails the startup: the server
+    stops), else at the first request that sees the engine client. A request
+    that comes before the engine client exists, or after installing failed, is
+    answered 503; a failure at a request stops the server too (``stop``). A
+    server without our connector has nothing to install: every request passes.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.installed = False
+        self.ready = False  # installed, or nothing to install
+        self.failed = ""  # why installing failed: the server stops
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self.installed:
-            self._install(scope)
+        if not self.ready and not self.failed:
+            try:
+                await self._install(scope)
+            except Exception as exc:
+                self.failed = f"{type(exc).__name__}: {exc}"
+                logger.exception("kvrag: the server's hook is not installed: the server stops")
+                if scope.get("type") != "lifespan":
+                    self.stop()
+        if scope.get("type") == "lifespan" and self.failed:
+            await receive()  # lifespan.startup: answered failed (uvicorn exits)
+            await send({"type": "lifespan.startup.failed", "message": self.failed})
+            return
+        if scope.get("type") in ("http", "websocket") and not self.ready:
+            why = self.failed or "the server is starting"
+            await _unavailable(scope, send, f"kvrag: the server's hook is not installed ({why})")
+            return
         await self.app(scope, receive, send)
 
-    def _install(self, scope: Scope) -> None:
+    async def _install(self, scope: Scope) -> None:
         state = getattr(scope.get("app"), "state", None)
         engine_client: Any = getattr(state, "engine_client", None)
         if engine_client is None:
             return
-        self.installed = True
-        try:
-            hook = install(engine_client)
-        except Exception:
-            logger.exception("kvrag: the server's hook is not installed: the server stops")
-            raise
+        hook = install(engine_client)
         settings = _settings(engine_client)
+        if settings is not None and settings.reuse == "blend":
+            await attach_blend(engine_client)
         if hook is not None and settings is not None:
             setattr(state, POLICY_STATE, hook.policy)
             setattr(state, OPEN_METRICS_STATE, settings.open_metrics)
+        self.ready = True
+
+    @staticmethod
+    def stop() -> None:
+        """Stop the server (uvicorn shuts down on SIGTERM)."""
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def _unavailable(scope: Scope, send: Send, message: str) -> None:
+    if scope.get("type") == "websocket":
+        await send({"type": "websocket.close", "code": 1013})  # try again later
+        return
+    payload = json.dumps({"error": {"message": message, "code": 503}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def install(engine_client: Any) -> ReuseHook | None:
@@ -74,22 +114,40 @@ def install(engine_client: Any) -> ReuseHook | None:
         return hook
     from kvrag_integrations.vllm.keys import KeyRing
 
-    _log_beside_vllm()
     settings = _settings(engine_client)
     if settings is None:
         return None
+    log_beside_vllm()
     config = engine_client.vllm_config
     policy = settings.policy(KeyRing.from_env())
     if policy.secret is None:
         logger.error("kvrag: no $KVRAG_SERVER_SECRET: requests are salted, nothing is reused")
     detector, forget = _detector(config, settings) if settings.detect else (None, None)
-    hook = ReuseHook(engine_client.generate, detector, policy, forget=forget)
+    hook = ReuseHook(engine_client.generate, detector, policy, forget=forget, reuse=settings.reuse)
     engine_client.generate = hook.generate
     engine_client._kvrag_reuse_hook = hook
     if detector is not None:
         indexed = len(detector.index)  # type: ignore[arg-type]
         logger.info("kvrag: finds stored passages in plain requests (%d entries indexed)", indexed)
     return hook
+
+
+async def attach_blend(engine_client: Any) -> None:
+    """Hand each worker's model to the connector for blend's recompute (vLLM's
+    ``collective_rpc`` on the worker extension).
+
+    Raises:
+        UnsupportedModelError: blend cannot run on the served model (the server,
+            started with ``--reuse blend``, stops saying why: it never serves
+            turbo in blend's place).
+    """
+    reasons = await engine_client.collective_rpc(ATTACH_METHOD)
+    refused = sorted({str(r) for r in reasons if r})
+    if refused:
+        raise UnsupportedModelError(
+            "--reuse blend: blend cannot run on this model in vLLM: " + "; ".join(refused)
+        )
+    logger.info("kvrag: blend runs in vLLM's workers on the served model")
 
 
 def _settings(engine_client: Any) -> ConnectorSettings | None:
@@ -141,17 +199,3 @@ def _control_ids(config: Any) -> frozenset[int]:
     except Exception:  # a tokenizer transformers cannot load: the check is off
         logger.warning("kvrag: the model's control tokens are unknown; markup is not checked")
         return frozenset()
-
-
-def _log_beside_vllm() -> None:
-    """This package's log lines in the server's log, through vLLM's own handlers, at
-    ``$KVRAG_LOG_LEVEL`` (default INFO; DEBUG: why each request was or was not planned)."""
-    package = logging.getLogger("kvrag_integrations")
-    if package.handlers:
-        return
-    handler = logging.StreamHandler(sys.stdout)  # (vLLM's own filter at its level)
-    for theirs in logging.getLogger("vllm").handlers:
-        handler.setFormatter(theirs.formatter)
-    package.addHandler(handler)
-    package.setLevel(os.environ.get("KVRAG_LOG_LEVEL", "INFO").upper())
-    package.propagate = False

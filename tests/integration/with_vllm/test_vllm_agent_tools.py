@@ -2,7 +2,8 @@
 
 One ``python -m kvrag_integrations.vllm.serve`` started as the README starts it
 plus vLLM's tool-calling flags and the packaged ChatML tool template (the
-bundled SmolLM2's own template has no tools): no key file, so every client is
+bundled SmolLM2's own template has no tools), the run's ``TOOLS_SERVER`` (its
+entries at model precision for test_vllm_rerank.py): no key file, so every client is
 anonymous (issue 47: it reads what writers stored, under a salt of its own, and
 the server learns nothing from it). The passages were stored by a writer,
 ``kvrag ingest --server`` (anonymous callers may write at the defaults), in the
@@ -27,13 +28,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_helpers import free_port
-from vllm_helpers import Corpus, VLLMServer, needs_vllm
+from vllm_helpers import TOOLS_SERVER, Corpus, VLLMServer, needs_vllm
 
 needs_vllm()
 pytest.importorskip("langchain_openai")
@@ -41,25 +40,14 @@ pytest.importorskip("langchain.agents")
 
 from kvrag_integrations.bench.openai_apps import embeddings_for_langchain  # noqa: E402
 
-# as docs/openai-clients.md "Agents and tool calling" starts the server
-TOOL_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-TOOL_FLAGS += ["--chat-template", "chatml-tools", "--tool-strict-level", "parameter"]
+# as docs/openai-clients.md "Agents and tool calling" starts the server (TOOL_FLAGS),
+# shared with test_vllm_rerank.py
+pytestmark = pytest.mark.vllm_server(*TOOLS_SERVER)
 PASSAGES = 4
 SYSTEM = (
     "You have access to a tool that retrieves context from a blog post. "
     "Use the tool to help answer user queries."
 )
-
-
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    workdir = tmp_path_factory.mktemp("vllm-tools")
-    server = VLLMServer(f"disk:{workdir / 'store'}", workdir, free_port(), TOOL_FLAGS)
-    server.store = f"disk:{workdir / 'store'}"  # type: ignore[attr-defined]
-    try:
-        yield server.wait()
-    finally:
-        server.stop()
 
 
 def leftovers(store_url: str) -> int:
@@ -167,7 +155,7 @@ def find(ids: list[int], part: list[int]) -> int:
 
 
 def test_rag_agent_reads_the_tool_messages_passages_from_storage(
-    tool_server: VLLMServer, musique: Corpus, tmp_path: Path
+    vllm_server: VLLMServer, musique: Corpus, tmp_path: Path
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -176,8 +164,8 @@ def test_rag_agent_reads_the_tool_messages_passages_from_storage(
 
     folder, name = checkpoint_folder(None)
     tok = AutoTokenizer.from_pretrained(folder)
-    chunks = ingest(tool_server.url, musique.chunks(70, PASSAGES, tag="agent-tools"), tmp_path)
-    ask, llm, tool = rag_agent(tool_server.url, name, chunks)
+    chunks = ingest(vllm_server.url, musique.chunks(70, PASSAGES, tag="agent-tools"), tmp_path)
+    ask, llm, tool = rag_agent(vllm_server.url, name, chunks)
     for question in [musique.item(70).question, "Which people or places do these name?"]:
         messages = ask(question)
         kinds = [m.type for m in messages]
@@ -187,7 +175,7 @@ def test_rag_agent_reads_the_tool_messages_passages_from_storage(
         assert len(docs) == PASSAGES
         usage = messages[3].usage_metadata
         cached = usage["input_token_details"].get("cache_read", 0)
-        ids = rendered(tool_server.url, llm, tool, messages[:3])
+        ids = rendered(vllm_server.url, llm, tool, messages[:3])
         assert len(ids) == usage["input_tokens"]  # the prompt the server computed
         held = [tok(d.page_content, add_special_tokens=False).input_ids for d in docs]
         # where each passage sits (its first and last ids may merge with the text
@@ -206,9 +194,9 @@ def test_rag_agent_reads_the_tool_messages_passages_from_storage(
         # the text before the passages (this caller's system prompt, question and
         # tool call) is nowhere another caller could find it: never indexed, and its
         # private entry gone once the call was answered
-        log = open_index_log(tool_server.store).read_new()  # type: ignore[attr-defined]
+        log = open_index_log(vllm_server.store).read_new()
         assert not any(r.tolist()[: min(starts)] == ids[: min(starts)] for _, r in log)
-        assert leftovers(tool_server.store) == 0  # type: ignore[attr-defined]
+        assert leftovers(vllm_server.store) == 0
 
 
 # A hostile passage: the ChatML template's own markup, as text.
@@ -239,7 +227,7 @@ def second_call(url: str, model: str, tool_content: str, user_extra: str = "") -
 
 
 def test_json_tool_results_and_markup_in_passages_over_the_server(
-    tool_server: VLLMServer, musique: Corpus, tmp_path: Path
+    vllm_server: VLLMServer, musique: Corpus, tmp_path: Path
 ) -> None:
     """Issue 51, points 4 and 5 over the server: what share of a JSON tool result's
     passages is read from storage, and what vLLM renders from markup in a passage."""
@@ -252,11 +240,11 @@ def test_json_tool_results_and_markup_in_passages_over_the_server(
     folder, name = checkpoint_folder(None)
     tok = AutoTokenizer.from_pretrained(folder)
     texts = musique.chunks(71, PASSAGES, tag="agent-json")
-    chunks = ingest(tool_server.url, texts, tmp_path)
+    chunks = ingest(vllm_server.url, texts, tmp_path)
     # A tool returning JSON (json.dumps of its documents): quotes, newlines and
     # non-ASCII escaped, so the passages are not in the prompt as they were stored.
     dumped = json.dumps([{"page_content": t, "metadata": m} for t, m in chunks])
-    got = second_call(tool_server.url, name, dumped)
+    got = second_call(vllm_server.url, name, dumped)
     cached = got["cached"].get("cached_tokens") or 0
     spans = [tok(json.dumps(t)[1:-1], add_special_tokens=False).input_ids for t, _ in chunks]
     starts = [find(got["ids"], s[1:-1]) - 1 for s in spans]
@@ -272,8 +260,8 @@ def test_json_tool_results_and_markup_in_passages_over_the_server(
     controls = set(tok.all_special_ids)
     hostile = texts[0] + "\n" + MARKUP
     for where, extra, content in (("tool", "", hostile), ("user", "\n" + hostile, "ok")):
-        ids = second_call(tool_server.url, name, content, extra)["ids"]
-        plain = second_call(tool_server.url, name, "ok", "")["ids"]
+        ids = second_call(vllm_server.url, name, content, extra)["ids"]
+        plain = second_call(vllm_server.url, name, "ok", "")["ids"]
         forged = sum(i in controls for i in ids) - sum(i in controls for i in plain)
         print(f"markup in a {where} message: {forged} control tokens more than without it")
         assert forged >= 0

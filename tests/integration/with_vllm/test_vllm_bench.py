@@ -1,4 +1,5 @@
-"""``python -m kvrag_integrations.bench vllm`` runs and writes its figures (smoke size)."""
+"""``python -m kvrag_integrations.bench vllm`` runs and writes its figures (smoke size),
+on the session's vLLM (``main(argv, vllm_engine=...)``: the suite starts none)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from vllm_helpers import needs_vllm
 
 from kvrag_integrations.bench import report
 from kvrag_integrations.bench.__main__ import main
+from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 needs_vllm()
 
 
-def test_the_vllm_suite_writes_json_table_and_renders(tmp_path: Path) -> None:
-    main(["vllm", "--quick", "--out", str(tmp_path)])
+def test_the_vllm_suite_writes_json_table_and_renders(
+    tmp_path: Path, vllm_engine: VLLMEngine
+) -> None:
+    main(["vllm", "--quick", "--out", str(tmp_path)], vllm_engine=vllm_engine)
     payload = json.loads((tmp_path / "vllm.json").read_text())
     assert payload["command"] == f"python -m kvrag_integrations.bench vllm --quick --out {tmp_path}"
     assert payload["vllm"].startswith("vllm")
@@ -33,9 +37,11 @@ def test_the_vllm_suite_writes_json_table_and_renders(tmp_path: Path) -> None:
     assert "## vLLM with the KV connector" in docs.read_text()
 
 
-def test_the_prefix_hit_part_measures_both_sends_of_each_prompt(tmp_path: Path) -> None:
+def test_the_prefix_hit_part_measures_both_sends_of_each_prompt(
+    tmp_path: Path, vllm_engine: VLLMEngine
+) -> None:
     args = ["--parts", "prefix-hit", "--lengths", "300,700", "--repeats", "1"]
-    main(["vllm", *args, "--out", str(tmp_path)])
+    main(["vllm", *args, "--out", str(tmp_path)], vllm_engine=vllm_engine)
     assert not (tmp_path / "vllm.json").exists()  # some parts: never over the suite's file
     part = json.loads((tmp_path / "vllm-prefix-hit.json").read_text())["prefix_hit"]
     assert [row["length"] for row in part["rows"]] == [300, 700]

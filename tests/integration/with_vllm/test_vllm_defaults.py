@@ -1,7 +1,8 @@
 """At its defaults the server is no oracle: attacks by plain HTTP clients on the README's server.
 
 One server started as the README starts it (``python -m kvrag_integrations.vllm.serve
---store disk:DIR``: no key file, no flags), shared by every test here; a writer
+--store disk:DIR``: no key file, no flags; the run's ``README_SERVER``, which
+cookbook 05 runs on after these), shared by every test here; a writer
 ingests passages through it (``encode_chunks``). An anonymous victim sends a
 secret; an anonymous attacker guesses it, by ``cached_tokens`` in layouts of its
 own, by timing, and by ``/metrics``. Issue 47 (a learned prompt) and issue 54
@@ -19,14 +20,12 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from redis_helpers import free_port
-from vllm_helpers import Corpus, VLLMServer, needs_vllm
+from vllm_helpers import README_SERVER, Corpus, VLLMServer, needs_vllm
 
 from kvrag_integrations.bench.openai_apps import system_prompt
 from kvrag_integrations.chunk_kv import cache_key
@@ -41,6 +40,8 @@ RIGHT = "7 3 9 1 5 2"
 PAIRS = 12
 MOST_FASTER = PAIRS - 2  # the right guess faster in more pairs than this: an oracle
 
+pytestmark = pytest.mark.vllm_server(*README_SERVER)
+
 
 class Defaults:
     """The README's server, its store, and passages a writer ingested through it."""
@@ -48,6 +49,14 @@ class Defaults:
     def __init__(self, url: str, store: Path, model: str, passages: list[str]) -> None:
         self.url, self.store, self.model, self.passages = url, store, model, passages
         self.http = httpx.Client(base_url=url, timeout=300)
+
+    @classmethod
+    def ingested(cls, url: str, store: Path, musique: Corpus) -> Defaults:
+        """The server at ``url`` on the disk ``store``, once a writer ingested passages."""
+        passages = musique.chunks(57, 3, tag="defaults")
+        with VLLMEngine.connect(url) as writer:
+            writer.encode_chunks(passages, show_progress=False)
+            return cls(url, store, writer.model_name, passages)
 
     def complete(self, prompt: str | list[int], **body: Any) -> tuple[dict[str, Any], float]:
         """A raw completion (one answer token), and its time to that token."""
@@ -76,18 +85,9 @@ class Defaults:
 
 
 @pytest.fixture(scope="module")
-def defaults(tmp_path_factory: pytest.TempPathFactory, musique: Corpus) -> Iterator[Defaults]:
-    workdir = tmp_path_factory.mktemp("vllm-defaults")
-    store = workdir / "kv"
-    server = VLLMServer(f"disk:{store}", workdir, free_port()).wait(900)
-    try:
-        passages = musique.chunks(57, 3, tag="defaults")
-        with VLLMEngine.connect(server.url) as writer:
-            writer.encode_chunks(passages, show_progress=False)
-            model = writer.model_name
-        yield Defaults(server.url, store, model, passages)
-    finally:
-        server.stop()
+def defaults(vllm_server: VLLMServer, musique: Corpus) -> Defaults:
+    store = Path(vllm_server.store.removeprefix("disk:"))
+    return Defaults.ingested(vllm_server.url, store, musique)
 
 
 def wrong_codes(n: int) -> list[str]:
@@ -113,8 +113,9 @@ def test_no_caller_confirms_a_guess_of_anothers_learned_prompt(
     """Issue 47: a caller sent a secret among three passages; another guesses it.
     Right and wrong guesses get the same cached tokens and no oracle in time.
     Positive control: a caller of the victim's own tenant (its salt) tells them apart."""
-    # passages none ingested (a learned prompt would be the only source)
-    own = musique.chunks(60, 3, tag="learned")
+    # passages none ingested (a learned prompt would be the only source): item 60's
+    # first passages are item 61's too, which other tests ingest on the run's store
+    own = musique.unseen(60, 3, tag="learned")
 
     def context(code: str, passages: list[str] = own) -> str:
         return "\n\n".join([passages[0], SECRET_LINE.format(code=code), *passages[1:]])
@@ -210,3 +211,19 @@ def test_at_the_defaults_metrics_is_closed_and_bad_input_a_400(defaults: Default
     bad = {"model": defaults.model, "prompt": "hi", "cache_salt": 7}
     assert defaults.http.post("/v1/completions", json=bad).status_code == 400
     assert defaults.http.get("/health").status_code == 200
+
+
+def test_a_client_cannot_fill_the_private_pool_with_its_own_saves(defaults: Defaults) -> None:
+    """Issue 59 hole 2, on the README's disk store: an anonymous client's own
+    ``"private": true`` saves were stored in private namespaces and never deleted
+    (a flood of them refused every other anonymous request's glue for 10 minutes).
+    The fields of a request's private namespace are the server's to write: a 400,
+    and nothing stored."""
+    before = sorted(p.name for p in defaults.store.rglob("*.safetensors"))
+    for i in range(3):
+        ids = list(range(1000 + 300 * i, 1300 + 300 * i))
+        body = {"model": defaults.model, "prompt": ids, "max_tokens": 1}
+        body["kv_transfer_params"] = {"kvrag": {"save": [[0, len(ids), []]], "private": True}}
+        response = defaults.http.post("/v1/completions", json=body)
+        assert response.status_code == 400 and "the server's to write" in response.text
+    assert sorted(p.name for p in defaults.store.rglob("*.safetensors")) == before

@@ -66,9 +66,12 @@ def test_a_closed_stream_stops_and_says_so(vllm_engine: VLLMEngine, musique: Cor
 
 
 def test_what_vllm_cannot_run_is_refused_at_the_call(vllm_engine: VLLMEngine) -> None:
-    with pytest.raises(UnsupportedInputError, match='strategy="blend" is not available'):
-        vllm_engine.generate(question="Who?", chunks=["Ada wrote it."], strategy="blend")
-    with pytest.raises(UnsupportedInputError, match="strategy options"):
+    # (blend runs here: its workers recompute; options only the in-process one has do not)
+    with pytest.raises(UnsupportedInputError, match=r"\['check_layer'\] need KVRAGEngine"):
+        vllm_engine.generate(
+            question="Who?", chunks=["Ada wrote it."], strategy="blend", check_layer=2
+        )
+    with pytest.raises(UnsupportedInputError, match=r"\['positions'\] need KVRAGEngine"):
         vllm_engine.generate(question="Who?", chunks=["Ada wrote it."], positions="composite")
     with pytest.raises(ContextWindowExceededError):
         vllm_engine.generate(question="Who?", chunks=["word " * 5000])

@@ -14,7 +14,7 @@ from kvrag_integrations import Chunk, KVRAGEngine, Text
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
 from kvrag_integrations.engine.prompting.segments import cache_leading_text
 from kvrag_integrations.store.codec import encode_entry
-from kvrag_integrations.vllm.client.turbo import load_run
+from kvrag_integrations.vllm.client.reuse import load_run
 from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 from kvrag_integrations.vllm.params import TransferParams
 

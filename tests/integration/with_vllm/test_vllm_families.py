@@ -13,6 +13,7 @@ share of the heads under keys of its own.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,7 @@ def test_turbo_through_vllm_equals_the_in_process_turbo(
     musique: Corpus,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    private_vllm_engine: Callable[..., VLLMEngine],
 ) -> None:
     if ranks > 1:
         if (os.cpu_count() or 1) < ranks:
@@ -88,7 +90,7 @@ def test_turbo_through_vllm_equals_the_in_process_turbo(
         # one core per CPU worker (vLLM binds a worker per NUMA node by default)
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
     folder = tiny(family, tmp_path / family)
-    served = VLLMEngine.from_pretrained(
+    served = private_vllm_engine(  # another model: an engine of its own
         folder,
         store=f"disk:{tmp_path / 'kv'}",
         cache_precision="model",
@@ -99,25 +101,22 @@ def test_turbo_through_vllm_equals_the_in_process_turbo(
     engine = KVRAGEngine.from_pretrained(
         folder, cache_precision="model", store=MemoryKVStore(), on_miss="encode", share=False
     )
-    try:
-        gaps, texts = [], set()
-        for i in range(3):
-            item = musique.item(50 + i)
-            chunks = [text[:800] for text in musique.chunks(50 + i, 3, tag=family)]
-            texts.update(chunks)
-            served.encode_chunks(chunks, show_progress=False)
-            engine.encode_chunks(chunks, show_progress=False)
-            asked = dict(
-                question=item.question, chunks=chunks[::-1], max_new_tokens=16, chat_template=False
-            )
-            ours = served.generate(**asked, logprobs=20)
-            theirs = engine.generate(**asked)
-            assert ours.reused_chunks == 3 and ours.fallback is None
-            assert ours.token_ids == theirs.token_ids
-            want = logprobs_of(theirs.first_token_logits, list(ours.first_token_logprobs))
-            gaps.append(max_logprob_gap(ours.first_token_logprobs, want))
-        assert max(gaps) < 1e-3, gaps
-        if ranks > 1:  # each rank stored its share: two entries per chunk
-            assert len(list((tmp_path / "kv").rglob("*.safetensors"))) >= 2 * len(texts)
-    finally:
-        served.close()
+    gaps, texts = [], set()
+    for i in range(3):
+        item = musique.item(50 + i)
+        chunks = [text[:800] for text in musique.chunks(50 + i, 3, tag=family)]
+        texts.update(chunks)
+        served.encode_chunks(chunks, show_progress=False)
+        engine.encode_chunks(chunks, show_progress=False)
+        asked = dict(
+            question=item.question, chunks=chunks[::-1], max_new_tokens=16, chat_template=False
+        )
+        ours = served.generate(**asked, logprobs=20)
+        theirs = engine.generate(**asked)
+        assert ours.reused_chunks == 3 and ours.fallback is None
+        assert ours.token_ids == theirs.token_ids
+        want = logprobs_of(theirs.first_token_logits, list(ours.first_token_logprobs))
+        gaps.append(max_logprob_gap(ours.first_token_logprobs, want))
+    assert max(gaps) < 1e-3, gaps
+    if ranks > 1:  # each rank stored its share: two entries per chunk
+        assert len(list((tmp_path / "kv").rglob("*.safetensors"))) >= 2 * len(texts)

@@ -4,8 +4,9 @@ One server (``python -m kvrag_integrations.vllm.serve``) on a Redis of 48 MB
 ``maxmemory`` (``noeviction``: Redis would refuse a write past it rather than
 hide an overflow), with no ``--max-store-bytes``: the server sizes its budget
 from ``maxmemory`` and says so at start. Tenant ``keep`` ingests passages;
-tenant ``flood`` then sends 200 distinct prompts over the learn threshold,
-each learned as an entry of ~1.9 MB (several times the budget in all). The store
+tenant ``flood`` then sends 60 distinct prompts over the learn threshold,
+each learned as an entry of ~1.9 MB (three times the budget in all, six times
+its namespace's quota). The store
 (entries and the content index's log) never passes the budget, the flood stays
 within its namespace's quota, and ``keep``'s entries survive.
 """
@@ -16,12 +17,12 @@ import json
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from redis_helpers import RedisServer, find_redis_server, free_port
+from redis_helpers import RedisServer, find_redis_server
 from vllm_helpers import VLLMServer, needs_vllm
 
 from kvrag_integrations.matching import RedisIndexLog
@@ -34,7 +35,7 @@ from kvrag_integrations.vllm.trust import Tenant
 needs_vllm()
 
 MAXMEMORY = 48 * 2**20
-PROMPTS = 200
+PROMPTS = 60  # ~1.9 MB each: 3x the budget
 KEYS = {
     "keys": {
         "sk-keep": {"namespace": "keep", "role": "write"},
@@ -70,12 +71,12 @@ def held(store: RedisKVStore, log: RedisIndexLog) -> int:
 
 
 def test_a_flood_of_learned_prompts_stays_within_the_default_budget(
-    redis_48mb: RedisServer, tmp_path: Path
+    redis_48mb: RedisServer, tmp_path: Path, private_vllm_server: Callable[..., VLLMServer]
 ) -> None:
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps(KEYS))
     extra = ["--tenant-keys", str(keys), "--learn-min-tokens", "32"]  # no --max-store-bytes
-    server = VLLMServer(redis_48mb.url, tmp_path, free_port(), extra).wait(600)
+    server = private_vllm_server(redis_48mb.url, *extra)  # its own store, flooded
     store = RedisKVStore(redis_48mb.url)
     log = RedisIndexLog(store.client, store.prefix)
     try:

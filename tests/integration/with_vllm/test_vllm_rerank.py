@@ -8,18 +8,16 @@ patterns run over the vLLM engine and reuse every document on a second call.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
-from redis_helpers import free_port
-from vllm_helpers import Corpus, VLLMServer, needs_vllm
+from vllm_helpers import TOOLS_SERVER, Corpus, VLLMServer, needs_vllm
 
 from kvrag_integrations.engine import KVRAGEngine
 from kvrag_integrations.rerank import KVReranker
 from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 needs_vllm()
+
+pytestmark = pytest.mark.vllm_server(*TOOLS_SERVER)  # (test_a_connected_engine_...)
 
 HELD_OUT = (101, 102, 103)  # MuSiQue items no other vLLM test reads
 TOLERANCE = 1e-3
@@ -125,23 +123,12 @@ def test_bench_rerank_vllm_column_smoke(
     assert "vLLM, warm" in rerank.table(result)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A vLLM OpenAI server with the connector, entries at model precision."""
-    workdir: Path = tmp_path_factory.mktemp("vllm-rerank-server")
-    extra = ["--cache-precision", "model"]
-    started = VLLMServer(f"disk:{workdir / 'kv'}", workdir, free_port(), extra)
-    try:
-        yield started.wait()
-    finally:
-        started.stop()
-
-
 def test_a_connected_engine_scores_as_in_process(
-    server: VLLMServer, connect, engine: KVRAGEngine, musique: Corpus
+    vllm_server: VLLMServer, connect, engine: KVRAGEngine, musique: Corpus
 ) -> None:  # type: ignore[no-untyped-def]
-    """Over HTTP (VLLMEngine.connect): both scorings, cold and warm, equal in process."""
-    client = connect(server.url)
+    """Over HTTP (VLLMEngine.connect): both scorings, cold and warm, equal in process,
+    on the run's server with entries at model precision (``TOOLS_SERVER``)."""
+    client = connect(vllm_server.url)
     question = musique.item(104).question
     docs = musique.chunks(104, 10, tag="rerank-server")
     for scoring in ("judge", "query_likelihood"):

