@@ -374,13 +374,22 @@ def test_a_flood_of_encodes_keeps_the_store_within_its_budget(
     assert held > 0  # (the store was read: the flood wrote what its quota let it)
     assert target.up()
     # the honest path still works after the flood: the template's head may have been
-    # evicted (least recently used), so the first request computes it and encodes it
-    # again in the background; the next reuses everything
+    # evicted (least recently used), so a request computes what is missing and encodes
+    # it again in the background; within a few requests everything is reused (the
+    # store sits at its budget: each write evicts the flood's least recently used, and
+    # on a cluster a piece can meet a primary still being made room on)
     item, chunks = musique.item(58), musique.chunks(58, 2, tag="after-flood")
     target.honest.encode_chunks(chunks, show_progress=False)
-    target.honest.generate(question=item.question, chunks=chunks, max_new_tokens=1)
-    assert target.honest.wait_for_encoding(timeout=300)
-    assert honest_answer(target, item.question, chunks)
+    for attempt in range(1, 4):
+        result = target.honest.generate(
+            question=item.question, chunks=chunks, max_new_tokens=1, logprobs=TOP
+        )
+        if result.reused_chunks == len(chunks):
+            break
+        print({"after the flood, request": attempt, "miss": result.miss_reason})
+        assert target.honest.wait_for_encoding(timeout=300)
+    assert result.reused_chunks == len(chunks), result.miss_reason
+    assert result.first_token_logprobs
 
 
 # ------------------------------------------------------------- bad input
@@ -444,7 +453,7 @@ def test_a_stored_prompt_carries_no_injected_text_into_anothers_passages(
     taught = target.post({"prompt": head + injection + "\n\n" + "\n\n".join(passages)}, KEY_A)
     learned = taught["usage"]["prompt_tokens"]
     # the learned prompt is written after its answer; if it never is, the test proves nothing
-    wait_indexed(target.store_url, learned, timeout=30)
+    wait_indexed(target.store_url, learned, timeout=120)  # (a busy two-core machine)
     question = "\n\nWhat is the capital?"
     victim = target.post({"prompt": head + "\n\n".join(passages) + question}, KEY_A)
     # the shared head (exact: the same ids from position 0) at most; no passage
