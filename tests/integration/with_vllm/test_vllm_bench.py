@@ -53,3 +53,21 @@ def test_the_prefix_hit_part_measures_both_sends_of_each_prompt(
         assert hit_cached == (row["prompt_tokens"] - 1) // part["block_size"] * part["block_size"]
         assert row["store_ms"] > 0 and row["prefix_hit_ms"] > 0 and row["ratio"] > 0
     assert (tmp_path / "vllm-prefix-hit.md").read_text().startswith("| prompt (tokens) |")
+
+
+def test_the_blend_part_times_exact_prefill_afresh_and_counts_the_recompute(
+    tmp_path: Path, vllm_engine: VLLMEngine
+) -> None:
+    """Each repeat sends the passages in a new order, so vLLM's exact prefill is
+    computed, not served from its prefix cache (a repeat of one order loaded nearly
+    the whole prompt and made "full" look 20x faster); blend reports its recompute."""
+    args = ["--parts", "blend", "--items", "1", "--chunks", "3", "--chunk-tokens", "64"]
+    main(["vllm", *args, "--repeats", "2", "--out", str(tmp_path)], vllm_engine=vllm_engine)
+    payload = json.loads((tmp_path / "vllm-blend.json").read_text())
+    rows, tokens = payload["blend"], payload["blend_median_prompt_tokens"]
+    assert rows["vllm_full"]["loaded"] < 0.5 * tokens  # (the template's head at most)
+    assert rows["vllm_turbo"]["loaded"] > 0.6 * tokens
+    assert rows["vllm_blend"]["recomputed"] > 0
+    assert rows["vllm_blend"]["recomputed"] < rows["vllm_blend"]["loaded"]
+    assert rows["vllm_full"]["kl"] == 0 and rows["inproc_full"]["kl"] == 0
+    assert (tmp_path / "vllm-blend.md").read_text().startswith("| engine, strategy |")
