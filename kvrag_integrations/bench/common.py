@@ -231,3 +231,12 @@ def count_encodings(engine: Any) -> Counter[str]:
 
     engine.caches.encode_and_store = counted
     return counts
+
+
+def other_orders(chunks: list[str], count: int) -> list[list[str]]:
+    """``count`` orders of ``chunks`` other than the given one (rotations, then
+    reversed): a prompt vLLM's prefix cache has not seen in that order."""
+    n = len(chunks)
+    orders = [chunks[k:] + chunks[:k] for k in range(1, n)] + [chunks[::-1]]
+    distinct = [o for i, o in enumerate(orders) if o != chunks and o not in orders[:i]]
+    return [distinct[k % len(distinct)] for k in range(count)] if distinct else [chunks] * count

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvrag_integrations.bench.common import markdown_table
+from kvrag_integrations.bench.common import markdown_table, other_orders
 from kvrag_integrations.bench.metrics import kl_top, token_f1
 
 STRATEGIES = ("full", "turbo", "blend")
@@ -45,12 +45,10 @@ def measure(served: Any, engine: Any, prompts: list, repeats: int, new_tokens: i
             results = {}
             for strategy in STRATEGIES:
                 times = []
-                for r in range(max(1, repeats)):
-                    # a new order each time: vLLM's exact prefill meets no prefix of an
-                    # earlier request (its prefix cache would answer a repeat); every
-                    # strategy's last answer is to the same order, which KL compares
-                    k = (r + 1) % len(chunks)
-                    order = chunks[k:] + chunks[:k]
+                # a new order each time: vLLM's exact prefill meets no prefix of an
+                # earlier request (its prefix cache would answer a repeat); every
+                # strategy's last answer is to the same order, which KL compares
+                for order in other_orders(chunks, max(1, repeats)):
                     result = eng.generate(
                         question=question,
                         chunks=order,

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from kvrag_integrations.bench import prefix_hit, shapes, vllm_blend
-from kvrag_integrations.bench.common import RagItem, markdown_table, trimmed_chunks
+from kvrag_integrations.bench.common import RagItem, markdown_table, other_orders, trimmed_chunks
 from kvrag_integrations.chunk_kv import dtype_name
 from kvrag_integrations.engine.modeling.model import DEFAULT_MODEL_NAME
 
@@ -161,20 +161,12 @@ def _chunks(engine: Any, item: RagItem, n: int, tokens: int | None) -> list[str]
     return item.chunks[:n]
 
 
-def _orders(chunks: list[str], count: int) -> list[list[str]]:
-    """``count`` orders of ``chunks`` other than the given one (rotations, then reversed)."""
-    n = len(chunks)
-    orders = [chunks[k:] + chunks[:k] for k in range(1, n)] + [chunks[::-1]]
-    distinct = [o for i, o in enumerate(orders) if o != chunks and o not in orders[:i]]
-    return [distinct[k % len(distinct)] for k in range(count)] if distinct else [chunks] * count
-
-
 def _ttft(served: Any, engine: Any, prompts: list, repeats: int) -> dict[str, Any]:
     rows: dict[str, list[float]] = {"vllm_full": [], "vllm_turbo": [], "inproc_turbo": []}
     cached, full_cached = [], []
     for question, chunks in prompts:
         served.generate(question=question, chunks=chunks, strategy="full", max_new_tokens=1)
-        for k, order in enumerate(_orders(chunks, repeats)):
+        for k, order in enumerate(other_orders(chunks, repeats)):
             asked = dict(question=question, chunks=order, max_new_tokens=1)
             full = served.generate(**asked, strategy="full")
             turbo = served.generate(**asked)
