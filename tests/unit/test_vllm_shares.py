@@ -63,16 +63,22 @@ def send(hook: ReuseHook, caller: str, ids: list[int]):
 
 
 async def beside(hook: ReuseHook, caller: str, at_once: int, ids, flood: list) -> None:
-    """``caller``'s requests of ``ids``: ``at_once`` of them together, the ``flood``
-    coming in as they start; then one after another until the flood is done (the
-    caller always has one in flight)."""
-    first = [asyncio.ensure_future(send(hook, caller, ids)) for _ in range(at_once)]
-    await asyncio.sleep(0)  # (they are in flight)
-    flooding = asyncio.gather(*flood)
-    await asyncio.gather(*first)
-    while not flooding.done():
+    """``caller``'s requests of ``ids``, ``at_once`` of them in flight from before the
+    ``flood`` comes in until it is done: each one's next is sent as it ends, in the
+    same step of the loop, so the caller is never without one in flight (a gap
+    between two would rightly let the flood's held requests start)."""
+    flood_done = asyncio.Event()
+
+    async def one_after_another() -> None:
         await send(hook, caller, ids)
-    await flooding
+        while not flood_done.is_set():
+            await send(hook, caller, ids)
+
+    keeping = [asyncio.ensure_future(one_after_another()) for _ in range(at_once)]
+    await asyncio.sleep(0)  # (they are in flight)
+    await asyncio.gather(*flood)
+    flood_done.set()
+    await asyncio.gather(*keeping)
 
 
 def unknown(n: int, seed: int) -> list[int]:
