@@ -54,11 +54,12 @@ the same key (``reply.Reply``).
 
 from __future__ import annotations
 
+import secrets
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import wraps
-from typing import Any
+from typing import Any, ClassVar
 
 from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.vllm.trust import MAX_SALT_CHARS, Tenant, ids_digest, request_salt
@@ -127,6 +128,16 @@ class BlendRequest:
 
     options: Mapping[str, Any] = field(default_factory=dict)
     nonce: str = ""
+
+    NONCE_CHARS: ClassVar[int] = 16
+    """The fewest characters of a nonce the connector takes (a fresh one: 32)."""
+
+    def with_own_nonce(self) -> BlendRequest:
+        """This request with a fresh nonce where it has none of its own (at least
+        ``NONCE_CHARS``): its recomputed blocks are then its own."""
+        if len(self.nonce) >= self.NONCE_CHARS:
+            return self
+        return replace(self, nonce=secrets.token_hex(16))
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"nonce": self.nonce}

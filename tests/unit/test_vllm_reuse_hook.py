@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,7 +23,7 @@ from test_vllm_detection import FP, GLUE, PASSAGES, TAIL, Stored, agent_call, id
 from kvrag_integrations.chunk_kv import cache_key
 from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.vllm.admission import Admission, ClientPolicy
-from kvrag_integrations.vllm.params import PARAMS_KEY, PieceSpec, TransferParams
+from kvrag_integrations.vllm.params import PARAMS_KEY, BlendRequest, PieceSpec, TransferParams
 from kvrag_integrations.vllm.server.arrival import ARRIVAL, Arrival, BadRequest, read_body
 from kvrag_integrations.vllm.server.reuse_hook import ReuseHook
 from kvrag_integrations.vllm.trust import ANON_SALT_PREFIX, Grant, Tenant, request_salt
@@ -581,3 +582,25 @@ def test_a_blend_servers_plain_requests_load_as_blend_each_under_a_nonce_of_its_
     _, params, _ = run(hook, p, arrival=asked)
     sent = sent_params(params)
     assert sent.reuse == "turbo" and sent.blend is None and sent.load
+
+
+def test_a_clients_own_load_on_a_blend_server_is_blended_under_a_nonce_of_its_own() -> None:
+    """A client that plans its own load and names no reuse gets the server's blend:
+    the hook gives the load a fresh nonce where it has none (the connector refuses a
+    blend load without one); a nonce of the client's own stays."""
+    stored = Stored()
+    engine = Engine(stored)
+    hook = ReuseHook(engine.generate, stored.detector(), policy(), SimpleNamespace, reuse="blend")
+    p = prompt([1, 3, 0], ids(12))
+    keyed = Admission(Tenant.of_salt("team-secret"), "write", keeps=True)
+    own_load = TransferParams(load=(PieceSpec(0, 8),))
+    nonces = []
+    for given in (None, BlendRequest(nonce="short"), BlendRequest(nonce="n" * 20)):
+        asked = Arrival("", replace(own_load, blend=given), keyed)
+        engine_prompt, params, admission = run(hook, p, arrival=asked)
+        sent = sent_params(params)
+        assert sent.reuse == "blend" and sent.load == own_load.load
+        assert sent.blend is not None and len(sent.blend.nonce) >= BlendRequest.NONCE_CHARS
+        assert engine_prompt["cache_salt"] == request_salt(admission.tenant, sent.layout)
+        nonces.append(sent.blend.nonce)
+    assert nonces[0] != nonces[1] and nonces[2] == "n" * 20

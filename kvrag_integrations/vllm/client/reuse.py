@@ -10,7 +10,6 @@ token accounting from vLLM's own count of cached prompt tokens.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,7 +59,7 @@ def check_strategy(options: RequestOptions, blend_refused: str = "") -> None:
 def blend_request(options: Mapping[str, Any]) -> BlendRequest:
     """A blend load's own part: the call's options (over the model's calibrated
     settings, which the server applies) and a fresh nonce (its blocks are its own)."""
-    return BlendRequest(options=dict(options), nonce=secrets.token_hex(16))
+    return BlendRequest(options=dict(options)).with_own_nonce()
 
 
 def account(

@@ -229,9 +229,10 @@ class SchedulerSide:
                 "this server's reuse is turbo: blend is refused (start it with --reuse blend)"
             )
         blend = params.blend or BlendRequest()
-        if len(blend.nonce) < 16:
+        if len(blend.nonce) < BlendRequest.NONCE_CHARS:
             raise TransferParamsError(
-                "a blend load carries a nonce of 16 to 64 characters (its blocks are its own)"
+                f"a blend load carries a nonce of {BlendRequest.NONCE_CHARS} to 64 characters "
+                "(its blocks are its own)"
             )
         try:
             BlendSettings(**{**BlendSettings().as_json(), **blend.options})

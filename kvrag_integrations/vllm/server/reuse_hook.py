@@ -262,12 +262,8 @@ class ReuseHook:
 
     def _reused(self, params: TransferParams, load: tuple[PieceSpec, ...]) -> TransferParams:
         """``params`` loading ``load`` with the reuse the request asked for (the
-        server's where it named none); a blend load gets a fresh nonce."""
-        reuse = params.reuse or self.reuse
-        if reuse != "blend":
-            return replace(params, load=load, reuse=reuse)
-        blend = replace(params.blend or BlendRequest(), nonce=secrets.token_hex(16))
-        return replace(params, load=load, reuse=reuse, blend=blend)
+        server's where it named none; a blend load's nonce: ``_write``)."""
+        return replace(params, load=load, reuse=params.reuse or self.reuse)
 
     def _eligible(self, request: _Request) -> tuple[str, list[int]]:
         """Why detection does not run for the request ("" : it does), and its ids."""
@@ -302,6 +298,11 @@ class ReuseHook:
         in, bound to its prompt; no field of another connector's) and the salt its
         layout needs."""
         secret = self.policy.secret
+        if params.load and (params.reuse or self.reuse) == "blend":
+            # a blend load's recomputed blocks are its own: a fresh nonce salts them
+            # (a client's own loads too, which name no reuse on a blend server)
+            blend = (params.blend or BlendRequest()).with_own_nonce()
+            params = replace(params, reuse="blend", blend=blend)
         ids = request.prompt.get("prompt_token_ids")
         bound = request.admission.bound(ids if isinstance(ids, list) else [])
         signed = bound.signed(secret) if secret is not None else None

@@ -373,7 +373,9 @@ def test_a_stored_prompt_carries_no_injected_text_into_anothers_passages(
     # control: a request that does hold the injection loads the passages (in another
     # order: from the store, not from vLLM's prefix cache)
     again = head + injection + "\n\n" + "\n\n".join(passages[::-1]) + question
-    control = target.post({"prompt": again}, KEY_A)["usage"]
+    reply = target.post({"prompt": again}, KEY_A)
+    print({"control": reply["usage"], "ours": reply.get("kv_transfer_params")})
+    control = reply["usage"]
     assert control["prompt_tokens_details"]["cached_tokens"] >= 0.5 * control["prompt_tokens"]
 
 
