@@ -41,6 +41,7 @@ import json
 import re
 import sys
 import time
+from contextlib import ExitStack
 from types import ModuleType
 from typing import Any
 
@@ -161,6 +162,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--scoring", default=None, help="rerank: judge or query_likelihood")
     p.add_argument("--vllm", action="store_true", help="rerank: add a vLLM column")
+    p.add_argument(
+        "--vllm-url",
+        default=None,
+        help="rerank: the vLLM column on a running server (VLLMEngine.connect; its store "
+        "empty, for the cold figure), scored over HTTP",
+    )
     p.add_argument(
         "--parts",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
@@ -347,8 +354,13 @@ def main(argv: list[str] | None = None, *, vllm_engine: Any = None) -> None:
     if count is None:
         count = 2 if args.quick else 5
     items = load_items(args.data, count + args.first_item if count else None)[args.first_item :]
-    for name in names:
-        run_suite(name, engine, items, args, command, vllm_engine)
+    with ExitStack() as opened:
+        if args.vllm_url and vllm_engine is None:
+            from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
+
+            vllm_engine = opened.enter_context(VLLMEngine.connect(args.vllm_url))
+        for name in names:
+            run_suite(name, engine, items, args, command, vllm_engine)
     print(f"\n{json.dumps(machine_info(engine))}")
 
 

@@ -10,11 +10,16 @@ similarity, the packaged embedding model) and after reranking.
 
 With ``--vllm``, a vLLM column (``rerank_vllm``): the same reranker on a
 ``VLLMEngine`` in this process, cold, warm, and warm with 8 queries at once.
+With ``--vllm-url URL``, the same column on a running server, scored over HTTP
+(``VLLMEngine.connect``: query likelihood takes one request per query token
+there); start it on an empty store for the cold figure.
 
 Examples:
     python -m kvrag_integrations.bench rerank --items 5
     python -m kvrag_integrations.bench rerank --items 5 --vllm
     python -m kvrag_integrations.bench rerank --items 5 --scoring query_likelihood
+    python -m kvrag_integrations.bench rerank --items 2 --scoring query_likelihood \
+        --vllm-url http://127.0.0.1:8000
 """
 
 from __future__ import annotations

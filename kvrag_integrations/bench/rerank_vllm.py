@@ -78,7 +78,15 @@ def rows(result: dict[str, Any]) -> list[list[Any]]:
     k = result["vllm_concurrency"]
     return [
         ["vLLM, cold (documents not stored)", result["vllm_cold_cands_per_s"], "", ""],
-        ["vLLM, warm (entries loaded at 0)", result["vllm_warm_cands_per_s"], "", ""],
+        [f"vLLM, warm ({_warm_path(result)})", result["vllm_warm_cands_per_s"], "", ""],
         [f"vLLM, warm, {k} queries at once", result["vllm_concurrent_cands_per_s"], "", ""],
         [f"in process, warm, {k} at once", result["in_process_concurrent_cands_per_s"], "", ""],
     ]
+
+
+def _warm_path(result: dict[str, Any]) -> str:
+    """How the warm calls scored: loading the entries, or (a server's query likelihood
+    on documents too short for it to pay, ``scoring.by_token_pays``) plain prefill."""
+    if result.get("vllm_prefixes_reused_warm", 1):
+        return "entries loaded at 0"
+    return "plain prefill: loading would cost more"

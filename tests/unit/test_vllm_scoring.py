@@ -17,8 +17,9 @@ from kvrag_integrations.errors import (
     UnsupportedInputError,
 )
 from kvrag_integrations.rerank import KVReranker
+from kvrag_integrations.vllm.client import scoring
 from kvrag_integrations.vllm.client.backend import BackendEvent, BackendRequest
-from kvrag_integrations.vllm.client.scoring import collect, judge_score, query_score
+from kvrag_integrations.vllm.client.scoring import by_token_pays, collect, judge_score, query_score
 from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 from kvrag_integrations.vllm.params import PARAMS_KEY, TransferParams
 from kvrag_integrations.vllm.reply import Reply
@@ -107,6 +108,32 @@ def test_query_likelihood_reads_the_query_rows(vllm: VLLMEngine) -> None:
     assert request.params == {"kvrag": {"detect": False}}
 
 
+@pytest.fixture()
+def requests_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring by query token pays even for the stand-in's few-token documents."""
+    monkeypatch.setattr(scoring, "REQUEST_TOKENS", 0)
+
+
+def test_by_token_pays_only_for_documents_long_beside_the_query() -> None:
+    # the shapes measured (docs/vllm.md): 250-token documents lost, 600-token ones won
+    # with 15 query tokens, and were even with 18 (plain, then: never slower)
+    assert not by_token_pays([[0] * 260] * 10, 29, 15)
+    assert by_token_pays([[0] * 600] * 10, 29, 15)
+    assert not by_token_pays([[0] * 600] * 10, 32, 18)
+    assert not by_token_pays([[0] * 4000], 500, 480)  # a long query: every token a request
+
+
+def test_a_server_scores_short_documents_by_plain_prefill() -> None:
+    """Where one request per query token would cost more than the plain prefill, the
+    candidates are scored exactly, as without reuse: nothing loaded, nothing stored."""
+    vllm = VLLMEngine(_Backend(prompt_rows_after_load=False), _Tokenizer())
+    result = vllm.score_documents([[5, 6, 7], [8, 9]], [3, 4, 9], n_query=2)
+    assert result.scores == [-1.0, -1.0] and (result.reused, result.encoded) == (0, 0)
+    assert all(r.prompt_logprobs and r.salt is None for r in vllm.backend.requests)
+    assert len(vllm.backend.requests) == 2
+
+
+@pytest.mark.usefixtures("requests_cost_nothing")
 def test_a_server_scores_query_likelihood_token_by_token() -> None:
     """Over HTTP no prompt row after a load is read: one request per query token."""
     vllm = VLLMEngine(_Backend(prompt_rows_after_load=False), _Tokenizer())
@@ -119,6 +146,25 @@ def test_a_server_scores_query_likelihood_token_by_token() -> None:
         ((5, 6, 7, 3, 4), (9,)),
     ]
     assert all(TransferParams.from_request(r.params).load_end == 3 for r in asked)
+
+
+@pytest.mark.usefixtures("requests_cost_nothing")
+def test_a_server_scores_a_document_not_stored_by_one_exact_request() -> None:
+    """Over HTTP, a document whose entry is not stored costs one whole prefill, not
+    one per query token: after the first query token's request misses, the rest of
+    its query is read from one exact request's prompt rows; then it is stored."""
+    vllm = VLLMEngine(_Backend(prompt_rows_after_load=False), _Tokenizer())
+    vllm.encode_documents([[8, 9]])  # the other document is stored
+    result = vllm.score_documents([[5, 6, 7], [8, 9]], [3, 4, 9, 2], n_query=3)
+    assert result.scores == pytest.approx([-1.0, -(4 + 9 + 2) / 300])
+    assert (result.reused, result.encoded) == (1, 1)
+    asked = [(tuple(r.prompt_ids), bool(r.prompt_logprobs)) for r in vllm.backend.requests]
+    whole = [ids for ids, rows in asked if rows]
+    assert whole == [(5, 6, 7, 3, 4, 9, 2)]  # exact: no load, no salt
+    missed = [ids for ids, _ in asked if ids[:3] == (5, 6, 7) and ids != whole[0]]
+    assert missed == [(5, 6, 7, 3), (5, 6, 7)]  # the probe that missed, then its encode
+    again = vllm.score_documents([[5, 6, 7], [8, 9]], [3, 4, 9, 2], n_query=3)
+    assert again.reused == 2 and again.scores[1] == pytest.approx(result.scores[1])
 
 
 def test_a_tenant_scores_under_its_own_salts() -> None:

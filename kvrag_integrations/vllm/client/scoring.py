@@ -94,6 +94,23 @@ def _logsumexp(values: list[float]) -> float:
     return top + math.log(sum(math.exp(v - top) for v in values))
 
 
+# Query likelihood over a server, by query token: each request costs about this many
+# prompt tokens of a plain prefill with prompt log-probabilities (which computes the
+# vocabulary's logits at every row), plus a row per 64 loaded; fitted on a 2-core CPU
+# with the bundled model (scripts/rerank_by_token_fit.py: 250- and 600-token
+# documents, 15-18 query tokens; where the two measured within noise, plain wins).
+REQUEST_TOKENS = 28
+LOADED_ROWS_PER_TOKEN = 64
+
+
+def by_token_pays(heads: Sequence[Sequence[int]], tail: int, n_query: int) -> bool:
+    """Whether scoring ``n_query`` query tokens one request each, loading the
+    documents ``heads``, costs less than one plain prefill of each whole prompt
+    (``tail`` tokens after its document)."""
+    head = sum(map(len, heads)) / len(heads)
+    return n_query * (REQUEST_TOKENS + head / LOADED_ROWS_PER_TOKEN) < head + tail
+
+
 class VLLMScoring:
     """The ``DocumentScorer`` methods of ``VLLMEngine`` (a mixin)."""
 
@@ -163,7 +180,9 @@ class VLLMScoring:
         answers = tuple(sorted({*yes, *no}))
         tail = list(suffix)
         if n_query and reuse and not getattr(self.backend, "prompt_rows_after_load", False):
-            return self._score_by_tokens(heads, tail, n_query, out, started)
+            if by_token_pays(heads, len(tail), n_query):
+                return self._score_by_tokens(heads, tail, n_query, out, started)
+            reuse = False  # plain prefill is the cheaper one: never slower than no reuse
         futures = [pool.submit(self._score_one, h, tail, n_query, answers, reuse) for h in heads]
         outcomes = [f.result() for f in futures]
         for outcome in outcomes:
@@ -184,21 +203,38 @@ class VLLMScoring:
         """Query likelihood where prompt rows after a load cannot be read (a server:
         its API detokenizes every row, and the loaded ones were never computed): one
         request per query token, ``logprob_token_ids`` = that token, each loading
-        the document's entry; all in flight at once."""
+        the document's entry.
+
+        The first query token's requests go first (all in flight): where one did
+        not load its document, the entry is not stored, and the document is scored
+        by one exact request with the prompt's log-probabilities (plain prefill;
+        stored after) instead of one whole prefill per query token."""
         pool = self._scoring_pool()
-        jobs = []
-        for head in heads:
-            prompt = head + tail
-            for pos in range(len(prompt) - n_query, len(prompt)):
-                job = (prompt[:pos], len(head), 0, (prompt[pos],))
-                jobs.append((prompt[pos], pool.submit(self._request, *job)))
-        firsts = [(token, future.result()) for token, future in jobs]
+        prompts = [head + tail for head in heads]
+        first = len(tail) - n_query  # the first query token's index in the tail
+
+        def by_token(prompt: list[int], head: int, pos: int) -> Any:
+            return pool.submit(self._request, prompt[:pos], head, 0, (prompt[pos],))
+
+        probes = [by_token(p, len(h), len(h) + first) for p, h in zip(prompts, heads)]
+        pending: list[Any] = []  # per document: its futures by query token, or one whole
+        for prompt, head, probe in zip(prompts, heads, probes):
+            if probe.result().cached >= len(head):  # loaded: each query token loads it
+                rest = range(len(head) + first + 1, len(prompt))
+                pending.append([probe, *(by_token(prompt, len(head), p) for p in rest)])
+            else:
+                pending.append(pool.submit(self._request, prompt, 0, n_query, ()))
         outcomes = []
-        for i in range(len(heads)):
-            mine = firsts[i * n_query : (i + 1) * n_query]
-            rows = [judge_score(o.first, [token], []) for token, o in mine]
+        for prompt, futures in zip(prompts, pending):
+            if not isinstance(futures, list):  # the whole prompt, computed exactly
+                outcome = futures.result()
+                out.scores.append(query_score(outcome.prompt, n_query))
+                outcomes.append(outcome)
+                continue
+            mine = [future.result() for future in futures]
+            rows = [judge_score(o.first, [t], []) for t, o in zip(prompt[-n_query:], mine)]
             out.scores.append(sum(rows) / n_query)
-            outcomes.append(min((o for _, o in mine), key=lambda o: o.cached))
+            outcomes.append(min(mine, key=lambda o: o.cached))
         return self._finish(heads, outcomes, True, out, started)
 
     def _finish(
@@ -262,4 +298,4 @@ def _check_store(store: Any) -> None:
         )
 
 
-__all__ = ["VLLMScoring", "collect", "judge_score", "query_score"]
+__all__ = ["VLLMScoring", "by_token_pays", "collect", "judge_score", "query_score"]
