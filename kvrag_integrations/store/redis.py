@@ -134,6 +134,10 @@ class RedisKVStore(EncodedKVStore):
         self.cluster = is_cluster(client)
         check_prefix(prefix, cluster=self.cluster)
         self._down = down_errors()
+        # (size, fingerprint) of each entry this store wrote or ``entries`` read: an
+        # entry never changes in place, and reading its header (GETRANGE) resets its
+        # idle time, which is the store's least-recently-used order
+        self._described: dict[str, tuple[int, str | None]] = {}
 
     # ------------------------------------------------------------- keys
     def _rkey(self, key: str) -> str:
@@ -225,6 +229,7 @@ class RedisKVStore(EncodedKVStore):
 
     def _write_bytes(self, key: str, blob: bytes, ttl_s: float | None = None) -> None:
         rkey = self._rkey(key)
+        self._described.pop(key, None)
         attempts = 0
         ttls = [t for t in (self.ttl_s, ttl_s) if t is not None]
         px = max(1, round(min(ttls) * 1000)) if ttls else None  # (Redis expires it)
@@ -249,6 +254,7 @@ class RedisKVStore(EncodedKVStore):
             self.client.transaction(write, rkey)
         except (redis_lib.RedisError, *self._down) as exc:  # a cluster's are not all RedisError
             raise StoreWriteError(f"cannot write cache entry {key[:16]} to redis: {exc}") from exc
+        self._described[key] = (len(blob), _fingerprint(blob))  # (listed without a read)
 
     def _queue_write(self, pipe: Any, rkey: str, blob: bytes, px: int | None) -> None:
         """Queue parts first, then the manifest (or the blob) on a watching ``pipe``
@@ -274,6 +280,7 @@ class RedisKVStore(EncodedKVStore):
 
     def _delete(self, key: str) -> None:
         rkey = self._rkey(key)
+        self._described.pop(key, None)
 
         def delete(pipe: Any) -> None:
             """Read the parts and delete them with the manifest in one transaction on
@@ -299,26 +306,44 @@ class RedisKVStore(EncodedKVStore):
 
         ``updated_at`` is the entry's last access (Redis ``OBJECT IDLETIME``; ``None``
         under an LFU ``maxmemory-policy``, where Redis does not keep it). A split
-        entry's size is the whole blob's, read from its manifest.
+        entry's size is the whole blob's, read from its manifest. Listing is no use
+        of an entry (a read would reset its idle time, Redis's LRU clock): the size
+        and fingerprint of an entry this store wrote or listed before are kept, and
+        only ``OBJECT`` and ``EXISTS`` (which touch nothing) are sent for it; an
+        entry another writer wrote is read once, its idle time first.
         """
         keys = list(self.keys())
+        described, seen = self._described, {}
         for start in range(0, len(keys), 256):
             batch = keys[start : start + 256]
             with self.client.pipeline(transaction=False) as pipe:
                 for key in batch:
                     rkey = self._rkey(key)
-                    pipe.strlen(rkey)
-                    pipe.getrange(rkey, 0, _MANIFEST_PEEK - 1)
-                    pipe.object("idletime", rkey)
-                replies = pipe.execute(raise_on_error=False)
+                    pipe.object("idletime", rkey)  # first: the reads below reset it
+                    if key in described:
+                        pipe.exists(rkey)
+                    else:
+                        pipe.strlen(rkey)
+                        pipe.getrange(rkey, 0, _MANIFEST_PEEK - 1)
+                replies = iter(pipe.execute(raise_on_error=False))
             now = time.time()
-            for i, key in enumerate(batch):
-                size, head, idle = replies[3 * i : 3 * i + 3]
-                if not head:  # deleted meanwhile
-                    continue
+            for key in batch:
+                idle = next(replies)
+                if key in described:
+                    if next(replies) != 1:  # deleted meanwhile
+                        continue
+                    size, fingerprint = described[key]
+                else:
+                    size, head = next(replies), next(replies)
+                    if not head or isinstance(head, Exception):  # deleted meanwhile
+                        continue
+                    size, fingerprint = self._describe(self._rkey(key), head, int(size or 0))
+                seen[key] = (size, fingerprint)
                 updated = now - idle if isinstance(idle, int) else None
-                size, fingerprint = self._describe(self._rkey(key), head, int(size or 0))
                 yield EntryInfo(key, size, updated, fingerprint)
+        for key in set(keys) - seen.keys():  # gone since: forgotten
+            self._described.pop(key, None)
+        self._described.update(seen)
 
     def _describe(self, rkey: str, head: bytes, size: int) -> tuple[int, str | None]:
         """``(size, fingerprint)`` of the entry whose value starts with ``head``."""
@@ -350,3 +375,11 @@ class RedisKVStore(EncodedKVStore):
         """Close the connections this store opened (a given ``client`` is left open)."""
         if self._owns_client:
             self.client.close()
+
+
+def _fingerprint(blob: bytes) -> str | None:
+    """The fingerprint in an encoded entry's header (None: unreadable)."""
+    try:
+        return read_metadata(blob[: 8 + header_length(blob[:8])])["fingerprint"]
+    except (CacheEntryError, KeyError):
+        return None

@@ -175,6 +175,38 @@ def test_entries_and_check_read_headers_only(server: RedisServer, prefix: str, s
     assert "checksum" in store.check(bad.key)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+def test_listing_entries_keeps_their_least_recently_used_order(
+    server: RedisServer, prefix: str, split: bool
+) -> None:
+    """``entries`` is what every budget eviction orders by: listing must not count as
+    a use (a GETRANGE or STRLEN resets Redis's idle time), or every listing makes all
+    entries equally fresh and an eviction takes a just-written entry as readily as
+    one unused for an hour. A load (GET) is a use."""
+    store = RedisKVStore(server.url, prefix=prefix, max_value_bytes=1024 if split else 2**20)
+    old, new = make_kv(seed=4, n=32), make_kv(seed=5, n=32)
+    store.put(old)
+    time.sleep(2.2)  # (Redis's idle clock counts whole seconds)
+    store.put(new)
+    for _ in range(3):  # the writer's own listings read no header
+        infos = {info.key: info for info in store.entries()}
+        assert infos[old.key].updated_at < infos[new.key].updated_at - 1.5
+    # another process's store (a replica's budget) reads each header once, after
+    # the idle time (that read resets it: the one use a listing makes)
+    other = RedisKVStore(server.url, prefix=prefix, max_value_bytes=store.max_value_bytes)
+    infos = {info.key: info for info in other.entries()}
+    assert infos[old.key].updated_at < infos[new.key].updated_at - 1.5
+    assert infos[old.key].fingerprint == FP
+    assert {info.key: info.nbytes for info in store.entries()} == {
+        kv.key: len(encode_entry(kv)) for kv in (old, new)
+    }
+    assert store.get(old.key, FP) is not None  # a load: now the most recently used
+    infos = {info.key: info for info in store.entries()}
+    assert time.time() - infos[old.key].updated_at < 1.5
+    store.delete(new.key)
+    assert [info.key for info in store.entries()] == [old.key]
+
+
 @pytest.mark.parametrize("precision", ["float16", "bfloat16", "int8", "model"])
 def test_round_trip_per_storage_precision(store: RedisKVStore, precision: str) -> None:
     kv = make_kv(n=24).stored_as(precision)

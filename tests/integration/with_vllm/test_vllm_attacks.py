@@ -423,12 +423,12 @@ def test_a_flood_of_encodes_keeps_the_store_within_its_budget(
     print({"flood": f"{held} bytes held of a budget of {BUDGET}"})
     assert held > 0  # (the store was read: the flood wrote what its quota let it)
     assert target.up()
-    # the honest path still works after the flood: it answers, and what it cannot
-    # reuse is a plain miss (never an error). Its reuse may not come back at once:
-    # this honest client is anonymous, as the flooder is, and the flood leaves the
-    # store at its budget with entries each within its quota (quotas bound groups,
-    # they reserve nothing). On a quiet machine its two pieces were seen missing
-    # three requests running with no refusal logged for them: not traced yet
+    # the honest path still works after the flood: it answers, what it cannot reuse
+    # is a plain miss (never an error), and within a few requests its passages are
+    # reused. Its writes evict the flood's least recently used entries (the same
+    # anonymous group), never its own just written: once they did, with no refusal
+    # logged, while listing the store (STRLEN, GETRANGE) reset every entry's idle
+    # time and the LRU order with it (test_store_redis.py's listing test)
     item, chunks = musique.item(58), musique.chunks(58, 2, tag="after-flood")
     target.honest.encode_chunks(chunks, show_progress=False)
     for attempt in range(1, 4):
@@ -440,6 +440,7 @@ def test_a_flood_of_encodes_keeps_the_store_within_its_budget(
         print({"after the flood, request": attempt, "miss": result.miss_reason})
         assert "not stored" in result.miss_reason, result.miss_reason  # a miss, no error
         assert target.honest.wait_for_encoding(timeout=300)
+    assert result.reused_chunks == len(chunks), result.miss_reason
     assert result.first_token_logprobs
     assert target.up()
 
