@@ -254,7 +254,7 @@ class RedisKVStore(EncodedKVStore):
             self.client.transaction(write, rkey)
         except (redis_lib.RedisError, *self._down) as exc:  # a cluster's are not all RedisError
             raise StoreWriteError(f"cannot write cache entry {key[:16]} to redis: {exc}") from exc
-        self._described[key] = (len(blob), _fingerprint(blob))  # (listed without a read)
+        self._described[key] = self._describe(rkey, blob, len(blob))  # (listed unread)
 
     def _queue_write(self, pipe: Any, rkey: str, blob: bytes, px: int | None) -> None:
         """Queue parts first, then the manifest (or the blob) on a watching ``pipe``
@@ -375,11 +375,3 @@ class RedisKVStore(EncodedKVStore):
         """Close the connections this store opened (a given ``client`` is left open)."""
         if self._owns_client:
             self.client.close()
-
-
-def _fingerprint(blob: bytes) -> str | None:
-    """The fingerprint in an encoded entry's header (None: unreadable)."""
-    try:
-        return read_metadata(blob[: 8 + header_length(blob[:8])])["fingerprint"]
-    except (CacheEntryError, KeyError):
-        return None
