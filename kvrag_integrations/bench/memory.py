@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -34,6 +33,7 @@ import torch
 
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, timed
 from kvrag_integrations.bench.metrics import kl_divergence
+from kvrag_integrations.bench.ports import free_port
 from kvrag_integrations.chunk_kv import PRECISIONS, ChunkKV, dtype_name
 from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore
 from kvrag_integrations.store.codec import encode_entry
@@ -48,18 +48,12 @@ def find_redis_server() -> str | None:
     return next((p for p in candidates if p and Path(p).is_file()), None)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def redis_server(binary: str, workdir: Path) -> Iterator[str]:
     """A throwaway loopback redis-server (no persistence); yields its URL."""
     import redis
 
-    port = _free_port()
+    port = free_port()
     args = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
     args += ["--save", "", "--appendonly", "no"]
     proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from kvrag_integrations.bench.ports import free_port
+
 SYSTEM_PROMPT = "You are a helpful assistant. Use the following context in your response:"
 
 
@@ -200,7 +202,7 @@ class Server:
     def __init__(self, kind: str, extra: list[str] | None = None) -> None:
         self.kind = kind
         self.extra = extra or []
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrag-bench-server-")
 
@@ -263,11 +265,3 @@ def wait_indexed(store_url: str, length: int, timeout: float = 60.0) -> float:
     finally:
         log.close()
     raise TimeoutError(f"no entry of {length} ids was indexed in {timeout} s")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrag_integrations.bench.ports import free_port
+
 NODE_TIMEOUT_MS = 1000  # failure detection: a primary is failed over ~2-3 s after it stops
+PORT_TRIES = 3  # draws of a node's ports before the cluster is joined
 
 
 def find_binary(name: str) -> str | None:
@@ -32,10 +34,8 @@ def find_binary(name: str) -> str | None:
     return next((p for p in candidates if p and Path(p).is_file()), None)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+class PortTaken(RuntimeError):
+    """A node's port was bound by another process before the node bound it."""
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Node:
     bus_port: int
     workdir: Path
     proc: subprocess.Popen | None = None
+    log_offset: int = 0  # where this run's lines start in its appended redis.log
 
 
 class LocalRedisCluster:
@@ -81,9 +82,9 @@ class LocalRedisCluster:
         self.workdir, self.password, self.maxmemory = Path(workdir), password, maxmemory
         self.primaries, self.replicas, self.full_coverage = primaries, replicas, full_coverage
         count = primaries * (1 + replicas)
-        self.nodes = [
-            Node(_free_port(), _free_port(), self.workdir / f"node-{i}") for i in range(count)
-        ]
+        self.nodes = [Node(0, 0, self.workdir / f"node-{i}") for i in range(count)]
+        for node in self.nodes:
+            self._draw_ports(node)
 
     @property
     def url(self) -> str:
@@ -98,7 +99,14 @@ class LocalRedisCluster:
         for node in self.nodes:
             self._spawn(node)
         for node in self.nodes:
-            self._wait_up(node)
+            for _ in range(PORT_TRIES - 1):
+                with contextlib.suppress(PortTaken):
+                    self._wait_up(node)
+                    break
+                self._draw_ports(node)
+                self._spawn(node)
+            else:
+                self._wait_up(node)
         if not join:
             return self
         if self.primaries == 1:
@@ -119,8 +127,22 @@ class LocalRedisCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _draw_ports(self, node: Node) -> None:
+        """New client and bus ports for ``node``, distinct from every node's (a node
+        not yet joined only: a cluster's nodes.conf names its ports)."""
+        taken = {port for n in self.nodes for port in (n.port, n.bus_port)}
+        for field in ("port", "bus_port"):
+            port = free_port()
+            while port in taken:
+                port = free_port()
+            setattr(node, field, port)
+            taken.add(port)
+        (node.workdir / "nodes.conf").unlink(missing_ok=True)
+
     def _spawn(self, node: Node) -> None:
         node.workdir.mkdir(parents=True, exist_ok=True)
+        log = node.workdir / "redis.log"
+        node.log_offset = log.stat().st_size if log.exists() else 0
         args = ["--port", str(node.port), "--cluster-port", str(node.bus_port)]
         args += ["--bind", "127.0.0.1", "--dir", str(node.workdir)]
         args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
@@ -144,7 +166,11 @@ class LocalRedisCluster:
                 if self.client(node.port).ping():
                     return
             time.sleep(0.05)
-        log = (node.workdir / "redis.log").read_text(errors="replace")[-2000:]
+        with open(node.workdir / "redis.log", "rb") as file:
+            file.seek(node.log_offset)
+            log = file.read().decode(errors="replace")[-2000:]
+        if "Address already in use" in log:
+            raise PortTaken(f"port {node.port} or {node.bus_port} was taken:\n{log}")
         raise RuntimeError(f"redis-server did not come up on {node.port}:\n{log}")
 
     def _cli(self, *args: str) -> str:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from kvrag_integrations import RedisKVStore
+from kvrag_integrations.bench.ports import free_port
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.store.codec import encode_entry
 
@@ -23,12 +23,6 @@ from kvrag_integrations.store.codec import encode_entry
 def find_redis_server() -> str | None:
     candidates = [shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/sbin/redis-server"]
     return next((p for p in candidates if p and os.access(p, os.X_OK)), None)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextvars
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.vector_stores.chroma import ChromaVectorStore
 
 from kvrag_integrations import CACHE_KEY_FIELD, KVRAGEngine, MemoryKVStore
+from kvrag_integrations.bench.ports import free_port
 from kvrag_integrations.langchain import KVRAGRetriever, add_documents
 from kvrag_integrations.llama_index import KVRAGLLM, KVCacheTransform, MiniLMEmbedding
 
@@ -36,12 +36,6 @@ QUESTION = "What is the capital of Australia?"
 def find_chroma() -> str | None:
     beside = Path(sys.executable).parent / "chroma"  # the CLI of this interpreter's chromadb
     return str(beside) if beside.is_file() else shutil.which("chroma")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from redis_helpers import DAMAGE, RedisServer, flip, free_port, raw_keys
+from redis_helpers import DAMAGE, RedisServer, flip, raw_keys
 
 from kvrag_integrations import RedisKVStore
+from kvrag_integrations.bench.ports import free_port
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store.codec import encode_entry

@@ -11,14 +11,16 @@ budget across primaries in test_store_budget_cluster.py.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from pathlib import Path
 
 import pytest
-from redis_cluster_helpers import FP, PASSWORD, entries_per_primary, make_kv, same
-from redis_helpers import DAMAGE, RedisServer, flip, free_port
+from redis_cluster_helpers import FP, PASSWORD, cluster_binaries, entries_per_primary, make_kv, same
+from redis_helpers import DAMAGE, RedisServer, flip
 
 from kvrag_integrations import RedisKVStore
+from kvrag_integrations.bench.ports import free_port
 from kvrag_integrations.bench.redis_cluster import LocalRedisCluster
 from kvrag_integrations.errors import StoreURLError
 from kvrag_integrations.matching import RedisIndexLog, index_log_for, open_index_log
@@ -112,6 +114,21 @@ def test_another_namespace_or_prefix_sees_nothing(
         store.get("../" + kv.key[3:], FP)
     with pytest.raises(ValueError, match="prefix cannot hold"):
         RedisKVStore(redis_cluster.url, prefix="{tenant}:")  # would put every key in one slot
+
+
+def test_a_port_taken_before_its_node_binds_it_is_drawn_again(tmp_path: Path) -> None:
+    """CI once lost the whole cluster suite to one node's port, taken by another
+    process between the draw and the bind: before the join, a new one is drawn."""
+    if cluster_binaries() is not None:
+        pytest.skip("redis-server or redis-cli is missing")
+    cluster = LocalRedisCluster(tmp_path, primaries=1, replicas=0)
+    taken = cluster.nodes[0].port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with cluster:
+            assert cluster.nodes[0].port != taken
+            assert cluster.client(cluster.nodes[0].port).cluster("info")["cluster_state"] == "ok"
 
 
 def test_urls_naming_no_healthy_cluster_are_refused_at_start(

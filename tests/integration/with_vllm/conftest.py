@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_helpers import free_port
 from vllm_helpers import KV_CACHE_BYTES, Corpus, VLLMServer
 from vllm_starts import VLLMStarts
 
 from kvrag_integrations.bench.common import load_items
+from kvrag_integrations.bench.ports import free_port
 from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
 
 ROOT = Path(__file__).resolve().parents[3]
