@@ -159,13 +159,25 @@ class LocalRedisCluster:
 
     def _wait_up(self, node: Node, timeout: float = 20) -> None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         deadline = time.monotonic() + timeout
+        # One short try per ping: a port another process holds may accept and never answer.
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=node.port,
+            password=self.password,
+            socket_timeout=0.5,
+            retry=Retry(NoBackoff(), 0),
+        )
         while time.monotonic() < deadline and node.proc is not None and node.proc.poll() is None:
             with contextlib.suppress(redis.RedisError):
-                if self.client(node.port).ping():
+                if client.ping():
+                    client.close()
                     return
             time.sleep(0.05)
+        client.close()
         with open(node.workdir / "redis.log", "rb") as file:
             file.seek(node.log_offset)
             log = file.read().decode(errors="replace")[-2000:]
