@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag_integrations.bench.common import RagItem, markdown_table, trimmed_chunks
-from kvrag_integrations.bench.memory import find_redis_server, redis_server
+from kvrag_integrations.bench.memory import redis_server
 from kvrag_integrations.bench.redis_cluster import LocalRedisCluster, find_binary
 from kvrag_integrations.bench.stores import _ttft
 from kvrag_integrations.chunk_kv import ChunkKV
@@ -53,7 +53,7 @@ CAPACITY_SHARE = 0.75  # each node's maxmemory, of the entries' bytes
 def _topology(kind: str, primaries: int, replicas: int, workdir: Path) -> Iterator[str]:
     """The store URL of a fresh server or cluster, stopped afterwards."""
     if kind == "one server":
-        binary = find_redis_server()
+        binary = find_binary("redis-server")
         if binary is None:
             raise FileNotFoundError("redis-server not found")
         workdir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +138,7 @@ def run(
     readers: int = 8,
 ) -> dict[str, Any]:
     """Load throughput, turbo TTFT and capacity per topology."""
-    if find_binary("redis-cli") is None or find_redis_server() is None:
+    if find_binary("redis-cli") is None or find_binary("redis-server") is None:
         raise FileNotFoundError("redis-server and redis-cli are needed (apt redis-server)")
     prompts = [
         (it.question, trimmed_chunks(engine.tokenizer, it, n_chunks, chunk_tokens)) for it in items

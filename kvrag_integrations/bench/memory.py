@@ -20,7 +20,6 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -34,18 +33,13 @@ import torch
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, timed
 from kvrag_integrations.bench.metrics import kl_divergence
 from kvrag_integrations.bench.ports import free_port
+from kvrag_integrations.bench.redis_cluster import find_binary
 from kvrag_integrations.chunk_kv import PRECISIONS, ChunkKV, dtype_name
 from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore
 from kvrag_integrations.store.codec import encode_entry
 
 DTYPES = ("float32", "float16", "bfloat16", "int8")
 QUICK = {"n_chunks": 3, "chunk_tokens": 16, "repeats": 1, "questions": 1}
-
-
-def find_redis_server() -> str | None:
-    """The ``redis-server`` binary on PATH (or in /usr/bin, /usr/sbin), if any."""
-    candidates = [shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/sbin/redis-server"]
-    return next((p for p in candidates if p and Path(p).is_file()), None)
 
 
 @contextlib.contextmanager
@@ -180,7 +174,7 @@ def run(
         row = {"dtype": name, **sizes(kvs, name)}
         row["turbo_kl_vs_model_dtype"] = fidelity(engine, name, qs, prompt_chunks)
         per_dtype.append(row)
-    binary = find_redis_server() if redis else None
+    binary = find_binary("redis-server") if redis else None
     reads = []
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp, contextlib.ExitStack() as stack:
         url = stack.enter_context(redis_server(binary, Path(tmp))) if binary else None

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from kvrag_integrations.bench.common import RagItem, markdown_table, sync, trimmed_chunks
-from kvrag_integrations.bench.memory import find_redis_server, redis_server
+from kvrag_integrations.bench.memory import redis_server
 from kvrag_integrations.bench.metrics import kl_divergence
+from kvrag_integrations.bench.redis_cluster import find_binary
 from kvrag_integrations.bench.scaling import floor_time
 from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore, encode_entry
@@ -67,7 +68,7 @@ def run(
         (it.question, trimmed_chunks(engine.tokenizer, it, n_chunks, chunk_tokens)) for it in items
     ]
     all_chunks = list(dict.fromkeys(c for _, chunks in prompts for c in chunks))
-    binary = find_redis_server() if redis else None
+    binary = find_binary("redis-server") if redis else None
     rows, reference = [], {}
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp, contextlib.ExitStack() as stack:
         url = stack.enter_context(redis_server(binary, Path(tmp))) if binary else None

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 from redis_cluster_helpers import PASSWORD, cluster_binaries
-from redis_helpers import RedisServer, find_redis_server
+from redis_helpers import RedisServer
 from vllm_starts import VLLMStarts, Watcher
 
 from kvrag_integrations import KVRAGEngine, RedisKVStore
-from kvrag_integrations.bench.redis_cluster import LocalRedisCluster
+from kvrag_integrations.bench.redis_cluster import LocalRedisCluster, find_binary
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ def engine() -> KVRAGEngine:
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A redis-server on loopback for the run (no persistence); skips when there is none."""
     pytest.importorskip("redis", reason="the redis client is missing: pip install -e '.[test]'")
-    if (binary := find_redis_server()) is None:
+    if (binary := find_binary("redis-server")) is None:
         pytest.skip("redis-server not found (apt-get install redis-server; .ci/run installs it)")
     srv = RedisServer(binary, tmp_path_factory.mktemp("redis")).start()
     yield srv

@@ -8,8 +8,6 @@ Used through the fixtures in tests/integration/conftest.py (``redis_server``,
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -18,11 +16,6 @@ from kvrag_integrations import RedisKVStore
 from kvrag_integrations.bench.ports import free_port
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.store.codec import encode_entry
-
-
-def find_redis_server() -> str | None:
-    candidates = [shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/sbin/redis-server"]
-    return next((p for p in candidates if p and os.access(p, os.X_OK)), None)
 
 
 class RedisServer:

@@ -10,6 +10,7 @@ import redis
 from redis_helpers import RedisServer
 
 from kvrag_integrations import RedisKVStore
+from kvrag_integrations.bench.redis_cluster import find_binary
 from kvrag_integrations.matching import RedisIndexLog, SyncedIndex, index_log_for, open_index_log
 
 
@@ -72,9 +73,7 @@ def test_synced_indexes_on_redis(redis_server: RedisServer, redis_prefix: str) -
 
 
 def test_a_dead_server_does_not_fail_cover(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from redis_helpers import find_redis_server
-
-    server = RedisServer(find_redis_server(), tmp_path_factory.mktemp("redis-dead")).start()
+    server = RedisServer(find_binary("redis-server"), tmp_path_factory.mktemp("redis-dead")).start()
     store = RedisKVStore(server.url, prefix="dead:", socket_timeout=0.5)
     synced = SyncedIndex(index_log_for(store), refresh_s=0)
     synced.add("m", ids(4, 50))

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from redis_helpers import RedisServer, find_redis_server
+from redis_helpers import RedisServer
 from vllm_helpers import VLLMServer, needs_vllm
 
+from kvrag_integrations.bench.redis_cluster import find_binary
 from kvrag_integrations.matching import RedisIndexLog
 from kvrag_integrations.store import RedisKVStore
 from kvrag_integrations.store.quotas import namespace_of
@@ -54,7 +55,7 @@ def prompt(i: int) -> str:
 
 @pytest.fixture(scope="module")
 def redis_48mb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    binary = find_redis_server()
+    binary = find_binary("redis-server")
     if binary is None:
         pytest.skip("redis-server not found")
     server = RedisServer(binary, tmp_path_factory.mktemp("redis-48mb")).start()
