@@ -50,25 +50,48 @@ def open_store(url: str) -> KVStore:
 expected disk:DIR, redis://host:port/db, rediss://..., redis+cluster://host:port[,host:port...], \
 rediss+cluster://... or memory
     """
+    kind, rest = parse_store_url(url)
+    if kind == "memory":
+        return MemoryKVStore()
+    if kind == "disk":
+        return DiskKVStore(rest)
+    try:
+        return RedisKVStore(rest)
+    except ValueError as exc:  # redis-py's own URL parsing, or the cluster's checks
+        raise StoreURLError(f"redis store {redact_url(url)!r}: {redact_url(str(exc))}") from None
+
+
+def parse_store_url(url: str) -> tuple[str, str]:
+    """``(kind, rest)`` of a store URL, its form checked, nothing opened:
+    ``("memory", "")``, ``("disk", DIR)`` or ``("redis", URL)``.
+
+    Raises:
+        StoreURLError: the URL has another form, or ``disk:`` has no directory.
+
+    Examples:
+        >>> parse_store_url("disk:///srv/kv")
+        ('disk', '/srv/kv')
+        >>> parse_store_url("/srv/kv")
+        Traceback (most recent call last):
+        ...
+        kvrag_integrations.errors.StoreURLError: unknown store URL '/srv/kv'; \
+expected disk:DIR, redis://host:port/db, rediss://..., redis+cluster://host:port[,host:port...], \
+rediss+cluster://... or memory
+    """
     if not isinstance(url, str):
         raise StoreURLError(f"a store URL must be a string, got {type(url).__name__}")
     text = url.strip()
     if text == "memory":
-        return MemoryKVStore()
+        return "memory", ""
     if text.startswith("disk:"):
         root = text[len("disk:") :]
         if root.startswith("//"):  # disk:///abs/path
             root = root[2:]
         if not root:
             raise StoreURLError(f"store URL {url!r} names no directory; expected disk:DIR")
-        return DiskKVStore(root)
+        return "disk", root
     if text.lower().startswith(_REDIS_SCHEMES):
-        try:
-            return RedisKVStore(text)
-        except ValueError as exc:  # redis-py's own URL parsing, or the cluster's checks
-            raise StoreURLError(
-                f"redis store {redact_url(url)!r}: {redact_url(str(exc))}"
-            ) from None
+        return "redis", text
     raise StoreURLError(f"unknown store URL {redact_url(url)!r}; expected {STORE_URL_FORMS}")
 
 

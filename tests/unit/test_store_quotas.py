@@ -168,6 +168,20 @@ def test_serve_refuses_a_zero_budget_before_anything_starts(
         serve_main([*base, "--namespace-share", "1.5"])
 
 
+def test_serve_refuses_a_store_url_of_no_known_form_before_vllm_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A bare path was refused only by each worker, after vLLM had loaded the model."""
+    with pytest.raises(SystemExit) as exited:
+        serve_main(["--store", "/tmp/kv-as-a-path"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown store URL '/tmp/kv-as-a-path'" in err and "disk:DIR" in err
+    with pytest.raises(SystemExit):
+        serve_main(["--store", "disk:"])
+    assert "names no directory" in capsys.readouterr().err
+
+
 def test_auto_budget_of_a_disk_store_is_half_of_what_its_disk_could_give(
     tmp_path: Path,
 ) -> None:

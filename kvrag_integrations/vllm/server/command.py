@@ -267,12 +267,18 @@ def _budget_arg(text: str) -> int | str:
 
 
 def _check_store(parser: argparse.ArgumentParser, store: str) -> None:
-    """Refuse, before vLLM starts, a Redis store that evicts keys by itself
-    (``redis_client.check_eviction_policy``; the connector checks it again)."""
+    """Refuse, before vLLM starts, a store URL of no known form and a Redis store
+    that evicts keys by itself (``redis_client.check_eviction_policy``; the
+    connector checks it again)."""
     from kvrag_integrations.errors import StoreURLError
     from kvrag_integrations.store import RedisKVStore, open_store
     from kvrag_integrations.store.redis_client import check_eviction_policy
+    from kvrag_integrations.store.url import parse_store_url
 
+    try:  # a malformed URL is refused here, not by each worker once the model is loaded
+        parse_store_url(store)
+    except StoreURLError as exc:
+        parser.error(str(exc))
     try:
         opened = open_store(store)
     except Exception:  # unreachable here: the connector opens it, and checks it
