@@ -23,7 +23,6 @@ import contextlib
 import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import torch
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, timed
 from kvrag_integrations.bench.metrics import kl_divergence
 from kvrag_integrations.bench.ports import free_port
-from kvrag_integrations.bench.redis_cluster import find_binary
+from kvrag_integrations.bench.redis_cluster import answers_ping, find_binary
 from kvrag_integrations.chunk_kv import PRECISIONS, ChunkKV, dtype_name
 from kvrag_integrations.store import DiskKVStore, KVStore, MemoryKVStore
 from kvrag_integrations.store.codec import encode_entry
@@ -45,23 +44,13 @@ QUICK = {"n_chunks": 3, "chunk_tokens": 16, "repeats": 1, "questions": 1}
 @contextlib.contextmanager
 def redis_server(binary: str, workdir: Path) -> Iterator[str]:
     """A throwaway loopback redis-server (no persistence); yields its URL."""
-    import redis
-
     port = free_port()
     args = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
     args += ["--save", "", "--appendonly", "no"]
     proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
-        deadline = time.monotonic() + 20
-        while True:
-            with contextlib.suppress(redis.RedisError):
-                if client.ping():
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not come up on port {port}")
-            time.sleep(0.05)
-        client.close()
+        if not answers_ping(port, proc):
+            raise RuntimeError(f"redis-server did not come up on port {port}")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.kill()

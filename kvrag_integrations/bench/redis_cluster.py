@@ -34,6 +34,37 @@ def find_binary(name: str) -> str | None:
     return next((p for p in candidates if p and Path(p).is_file()), None)
 
 
+def answers_ping(
+    port: int, proc: subprocess.Popen, timeout: float = 20, password: str | None = None
+) -> bool:
+    """Whether the redis-server ``proc`` just started on ``port`` answers a ping
+    within ``timeout`` seconds (False: it exited, or never answered). Every
+    starter of a redis-server (the cluster's nodes, the benches', the tests')
+    waits here."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    deadline = time.monotonic() + timeout
+    # One short try per ping: a port another process holds may accept and never answer.
+    client = redis.Redis(
+        host="127.0.0.1",
+        port=port,
+        password=password,
+        socket_timeout=0.5,
+        retry=Retry(NoBackoff(), 0),
+    )
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(redis.RedisError):
+                if client.ping():
+                    return True
+            time.sleep(0.05)
+        return False
+    finally:
+        client.close()
+
+
 class PortTaken(RuntimeError):
     """A node's port was bound by another process before the node bound it."""
 
@@ -158,26 +189,8 @@ class LocalRedisCluster:
             node.proc = subprocess.Popen([self.server, *args], stdout=log, stderr=log)
 
     def _wait_up(self, node: Node, timeout: float = 20) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        deadline = time.monotonic() + timeout
-        # One short try per ping: a port another process holds may accept and never answer.
-        client = redis.Redis(
-            host="127.0.0.1",
-            port=node.port,
-            password=self.password,
-            socket_timeout=0.5,
-            retry=Retry(NoBackoff(), 0),
-        )
-        while time.monotonic() < deadline and node.proc is not None and node.proc.poll() is None:
-            with contextlib.suppress(redis.RedisError):
-                if client.ping():
-                    client.close()
-                    return
-            time.sleep(0.05)
-        client.close()
+        if node.proc is not None and answers_ping(node.port, node.proc, timeout, self.password):
+            return
         with open(node.workdir / "redis.log", "rb") as file:
             file.seek(node.log_offset)
             log = file.read().decode(errors="replace")[-2000:]

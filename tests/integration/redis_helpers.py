@@ -7,13 +7,12 @@ Used through the fixtures in tests/integration/conftest.py (``redis_server``,
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
-import time
 from pathlib import Path
 
 from kvrag_integrations import RedisKVStore
 from kvrag_integrations.bench.ports import free_port
+from kvrag_integrations.bench.redis_cluster import answers_ping
 from kvrag_integrations.chunk_kv import ChunkKV
 from kvrag_integrations.store.codec import encode_entry
 
@@ -32,16 +31,8 @@ class RedisServer:
         args += ["--save", "", "--appendonly", "no"]  # nothing survives a kill: a real loss
         with open(self.workdir / "redis.log", "ab") as log:
             self.proc = subprocess.Popen([self.binary, *args], stdout=log, stderr=log)
-        import redis  # the client: pip install -e '.[test]'
-
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
-        deadline = time.monotonic() + 20
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(redis.RedisError):
-                if client.ping():
-                    client.close()
-                    return self
-            time.sleep(0.05)
+        if answers_ping(self.port, self.proc):
+            return self
         self.stop()
         log_text = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"redis-server did not come up on {self.port}:\n{log_text}")
