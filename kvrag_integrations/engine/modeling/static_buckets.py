@@ -24,6 +24,7 @@ RoPE positions are not cache slots.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -85,11 +86,37 @@ def record(step: Any, device: torch.device, pool: Any) -> Any:
         # copies, which take no forward lock) does not void the capture
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            step()
-        finally:
-            graph.capture_end()
+            try:
+                step()
+            finally:
+                graph.capture_end()
+        except BaseException:
+            unwind_capture(graph, device, pool)
+            raise
     own.wait_stream(side)
     return graph
+
+
+def unwind_capture(graph: Any, device: torch.device, pool: Any) -> None:
+    """Undo what a failed capture leaves behind. torch (2.11 measured on an
+    H200) undoes only a capture whose end succeeded (pytorch#190308): otherwise
+    the allocator keeps routing to the capture's pool, so every later capture
+    into it fails ("already recording to mempool_id"), and the CUDA generator
+    stays in capture mode, so every later random op on the device fails
+    ("Offset increment outside graph capture"). Each undo is skipped where
+    torch already did it; the caller also takes a fresh pool for the next
+    capture, so a pool left marked cannot fail it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    # best effort, each on its own: the capture's error is what the caller sees
+    with contextlib.suppress(Exception):
+        graph.reset()
+    with contextlib.suppress(Exception):  # "not currently recording": nothing to undo
+        torch._C._cuda_endAllocateToPool(index, pool if pool is not None else graph.pool())
+    with contextlib.suppress(Exception):
+        # a fresh state of the same seed and offset, out of capture mode (our
+        # graphs draw no random numbers: none needs the state it registered)
+        generator = torch.cuda.default_generators[index]
+        generator.graphsafe_set_state(generator.clone_state())
 
 
 class Step:

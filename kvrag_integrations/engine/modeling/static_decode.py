@@ -330,6 +330,9 @@ class StaticDecoder:
         try:
             seconds = step.prepare(self._pool_for(step), graphs)
         except Exception as exc:
+            # the next capture takes a fresh pool: torch may leave this one
+            # marked as recording (see unwind_capture), failing every capture into it
+            self._pool = None
             self.failed(f"capture of {key}", exc, capture=True)
             return
         if graphs or step.bucket.device.type != "cuda":  # elsewhere a capture is its warm-up
