@@ -6,6 +6,7 @@ size (CUDA-only figures are None)."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import re
 import time
@@ -17,7 +18,7 @@ import torch
 
 from kvrag_integrations import KVRAGEngine
 from kvrag_integrations.bench.decode import static_devices
-from kvrag_integrations.engine.modeling import filled_attention
+from kvrag_integrations.engine.modeling import filled_attention, static_decode
 from kvrag_integrations.engine.modeling.forward import run_tokens
 from kvrag_integrations.engine.modeling.generate import dynamic_steps
 from kvrag_integrations.engine.modeling.hf_compat import decoder_layers
@@ -181,7 +182,9 @@ def static_exact_step(
 ) -> dict[str, Any]:
     """Three turbo requests (short, long, short again): the tail graph's first
     logits and 32 decode steps (graph) against the eager forward and steps fed the
-    same tokens; the short bucket's graphs reused; greedy tokens static vs eager."""
+    same tokens, beside the difference between two correct eager attentions (the
+    dtype's own noise: greedy tokens of random weights part at the first near
+    tie, so only the logits are judged); the short bucket's graphs reused."""
     short, long = sizes["short"], sizes["long"]
     requests = [("short", pool[:short]), ("long", pool[:long]),
                 ("short again", pool[short : 2 * short])]  # fmt: skip
@@ -197,6 +200,12 @@ def static_exact_step(
             if fast is None or fast.bucket is None:
                 results.append({"request": name, "refused": decoder.last})
                 continue
+            # bf16's own noise: two correct eager attentions (mask-free, additive mask)
+            with static_devices(engine, ()), environ(KVRAG_FAST_PATH="0"):
+                masked = engine.prefill(question=question, chunks=chunks, strategy="turbo")
+            with static_devices(engine, ()):
+                plain = engine.prefill(question=question, chunks=chunks, strategy="turbo")
+            floor = (masked.logits.float() - plain.logits.float()).abs().max().item()
             eager = dynamic_steps(lm, ref.output.kv)
             logits, position = ref.logits, ref.output.kv.next_position
             diffs, agree, top = [], 0, 0.0
@@ -213,6 +222,7 @@ def static_exact_step(
             "tail_steps": sorted(r for r in fast.bucket.steps if r > 1),
             "first_logits_diff_tail_graph": (pre.logits - ref.logits).abs().max().item(),
             "max_step_logit_diff": max(diffs), "largest_logit": top,
+            "noise_floor_two_eager_attentions": floor,
             "agreeing_steps": agree, "steps": n, "captures": decoder.stats["captures"] - captured,
             "path": decoder.last,
         })  # fmt: skip
@@ -225,12 +235,40 @@ def static_exact_step(
             eager_ids = engine.generate(**kw).token_ids
         greedy[name] = sum(a == b for a, b in zip(static, eager_ids))
     done = [r for r in results if "bucket" in r]
-    close = all(r["agreeing_steps"] == n or r["max_step_logit_diff"] <= 0.01 * r["largest_logit"]
-                for r in done)  # fmt: skip
+    # within twice the noise between two correct eager paths (bf16 at 8B: ~0.25,
+    # measured on an H200), or 1% of the largest logit where that is larger
+    close = all(
+        max(r["max_step_logit_diff"], r["first_logits_diff_tail_graph"])
+        <= max(2 * r["noise_floor_two_eager_attentions"], 0.01 * r["largest_logit"])
+        for r in done
+    )
     reused = len(done) == 3 and done[2]["bucket"] == done[0]["bucket"] and done[2]["captures"] == 0
     return {"requests": results, "greedy_tokens_agreeing_of_32": greedy,
             "all_agree": len(done) == 3 and close, "reused_without_capture": reused,
             "stats": dict(decoder.stats)}  # fmt: skip
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage()[:400])
+
+
+@contextmanager
+def log_lines(name: str) -> Iterator[list[str]]:
+    """Within the block, logger ``name``'s lines at every level, kept in the list."""
+    log, handler = logging.getLogger(name), _Lines()
+    level = log.level
+    log.setLevel(logging.DEBUG)
+    log.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 @torch.no_grad()
@@ -238,7 +276,8 @@ def capture_failure_step(
     engine: KVRAGEngine, question: str, pool: list[str], sizes: dict[str, int]
 ) -> dict[str, Any]:
     """A capture made to fail (a host sync inside it; on CPU an error while a step
-    is prepared), then the same request again: the graph is captured and used."""
+    is prepared), then the same request again: the graph is captured and used,
+    and the device's random generator works; the decoder's log lines kept."""
     decoder, chunks = engine.loaded.decoder, pool[: sizes["short"]]
     engine.encode_chunks(chunks, show_progress=False)
     kw = dict(question=question, chunks=chunks, strategy="turbo", max_new_tokens=16,
@@ -253,24 +292,32 @@ def capture_failure_step(
         elif not CUDA and preparing():
             raise RuntimeError("operation not permitted when stream is capturing (CPU stand-in)")
 
-    handle = decoder_layers(engine.model)[0].register_forward_pre_hook(host_sync)
-    before = dict(decoder.stats)
-    try:
-        failed = engine.generate(**kw)
-    finally:
-        handle.remove()
-    stream_back = not CUDA or torch.cuda.current_stream() == torch.cuda.default_stream()
-    middle = dict(decoder.stats)
-    again = engine.generate(**kw)
-    after = dict(decoder.stats)
+    with log_lines(static_decode.__name__) as reasons:
+        handle = decoder_layers(engine.model)[0].register_forward_pre_hook(host_sync)
+        before = dict(decoder.stats)
+        try:
+            failed = engine.generate(**kw)
+        finally:
+            handle.remove()
+        stream_back = not CUDA or torch.cuda.current_stream() == torch.cuda.default_stream()
+        middle = dict(decoder.stats)
+        again = engine.generate(**kw)
+        after = dict(decoder.stats)
+    try:  # a failed capture must not leave the device's random generator in capture mode
+        sampled = bool(torch.randn(4, device=engine.model.device).isfinite().all())
+    except Exception as exc:
+        sampled = f"{type(exc).__name__}: {exc}"[:300]
     steps = next(iter(decoder.store.held.values())).steps if decoder.store.held else {}
     graphed = {rows: s.graph is not None for rows, s in steps.items()}
     takes_graph = all(graphed.values()) if CUDA else not any(s.failed for s in steps.values())
     failed_once = middle["capture_failures"] > before["capture_failures"]
     captured = after["captures"] > middle["captures"] and takes_graph and bool(steps)
-    same = failed.token_ids == want and again.token_ids == want
-    recovered = same and stream_back and failed_once and captured
-    return {"recovered": recovered, "same_tokens_failed": failed.token_ids == want,
+    # same tokens required in float32 (CPU) only: in bf16, random weights' near
+    # ties part the eager-step and fully eager paths (see static_exact_step)
+    same = CUDA or (failed.token_ids == want and again.token_ids == want)
+    recovered = same and stream_back and failed_once and captured and sampled is True
+    return {"recovered": recovered, "device_random_after": sampled, "reasons": reasons,
+            "same_tokens_failed": failed.token_ids == want,
             "same_tokens_after": again.token_ids == want, "stream_back": stream_back,
             "stats_before": before, "stats_after_failure": middle, "stats_after": after,
             "graphed_steps": graphed, "path": decoder.last}  # fmt: skip
