@@ -79,14 +79,15 @@ def test_asyncio_tasks_give_the_serial_answers(eng: KVRAGEngine) -> None:
     assert all(same(s, t) for s, t in zip(serial, asyncio.run(main())))
 
 
-def test_soak_200_requests_on_8_threads(eng: KVRAGEngine) -> None:
-    reqs = requests(200)
+def test_soak_100_requests_on_8_threads(eng: KVRAGEngine) -> None:
+    """Each of the 18 question-strategy pairs five or six times, eight at once."""
+    reqs = requests(100)
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(eng.generate, **r, max_new_tokens=2) for r in reqs]
         results = [f.result(timeout=300) for f in futures]  # re-raises any error
     elapsed = time.monotonic() - started
-    assert len(results) == 200 and elapsed < 300
+    assert len(results) == 100 and elapsed < 300
     assert all(1 <= r.generated_tokens <= 2 and r.text is not None for r in results)
     assert all(r.lazily_encoded_chunks == 0 for r in results)
     # Identical requests got identical answers, whichever thread ran them.

@@ -117,7 +117,9 @@ def test_truncated_calls(family: ToolFamily, cut: int, lead: str) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=IDS)
-@SETTINGS
+# fewer examples: each costs up to 0.2 s at the largest sizes (five parses with
+# 40 cuts each of ~18k characters), and six openers by two sizes is a small space
+@settings(SETTINGS, max_examples=30)
 @given(
     depth=st.integers(min_value=1, max_value=3000),
     opener=st.sampled_from(["[", "{", '{"a":', "(", "[search(q=", "search(q=["]),

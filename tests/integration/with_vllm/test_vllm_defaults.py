@@ -37,8 +37,7 @@ needs_vllm()
 
 SECRET_LINE = "Note: the vault code for account 88-A is {code}."
 RIGHT = "7 3 9 1 5 2"
-PAIRS = 12
-MOST_FASTER = PAIRS - 2  # the right guess faster in more pairs than this: an oracle
+PAIRS = 12  # the right guess faster in more than PAIRS - 2 of them: an oracle
 
 pytestmark = pytest.mark.vllm_server(*README_SERVER)
 
@@ -107,8 +106,15 @@ def faster_pairs(send: Any, right: Any, wrongs: list[Any]) -> tuple[int, list[fl
     return faster, times["right"], times["wrong"]
 
 
+@pytest.fixture
+def timed_pairs() -> int:
+    """Right/wrong guess pairs the guess tests time on this module's server (0:
+    they check cached tokens only)."""
+    return PAIRS
+
+
 def test_no_caller_confirms_a_guess_of_anothers_learned_prompt(
-    defaults: Defaults, musique: Corpus
+    defaults: Defaults, musique: Corpus, timed_pairs: int
 ) -> None:
     """Issue 47: a caller sent a secret among three passages; another guesses it.
     Right and wrong guesses get the same cached tokens and no oracle in time.
@@ -129,11 +135,11 @@ def test_no_caller_confirms_a_guess_of_anothers_learned_prompt(
         seen["right" if code == RIGHT else "wrong"].add(cached)
         return took
 
-    faster, right, wrong = faster_pairs(send, RIGHT, wrong_codes(PAIRS))
+    faster, right, wrong = faster_pairs(send, RIGHT, wrong_codes(timed_pairs or 3))
     print({"faster": faster, "right": statistics.median(right), "wrong": statistics.median(wrong)})
     print({"cached": seen})
     assert seen["right"] == seen["wrong"] == {0}, seen
-    assert faster <= MOST_FASTER, (faster, right, wrong)
+    assert not timed_pairs or faster <= timed_pairs - 2, (faster, right, wrong)
     # the positive control: within one tenant (a salt) the guess shows
     defaults.ask(context(RIGHT), salt="tenant-v")
     time.sleep(3)
@@ -143,7 +149,7 @@ def test_no_caller_confirms_a_guess_of_anothers_learned_prompt(
 
 
 def test_an_anonymous_callers_glue_is_no_oracle_in_cached_tokens_or_time(
-    defaults: Defaults, musique: Corpus
+    defaults: Defaults, musique: Corpus, timed_pairs: int
 ) -> None:
     """Issue 54: the victim's prompt is an ingested passage, a short note holding a
     secret, another ingested passage and a question: the note is glue between found
@@ -180,9 +186,11 @@ def test_an_anonymous_callers_glue_is_no_oracle_in_cached_tokens_or_time(
     def send(code: str) -> float:
         return defaults.complete(layouts["the victim's"](code))[1]
 
-    faster, right, wrong = faster_pairs(send, RIGHT, wrong_codes(PAIRS))
-    print({"faster": faster, "right": statistics.median(right), "wrong": statistics.median(wrong)})
-    assert faster <= MOST_FASTER, (faster, right, wrong)
+    if timed_pairs:
+        faster, right, wrong = faster_pairs(send, RIGHT, wrong_codes(timed_pairs))
+        med = {"right": statistics.median(right), "wrong": statistics.median(wrong)}
+        print({"faster": faster, **med})
+        assert faster <= timed_pairs - 2, (faster, right, wrong)
 
 
 def test_nothing_an_anonymous_request_brings_stays_in_the_store(defaults: Defaults) -> None:

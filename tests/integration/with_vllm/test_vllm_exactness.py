@@ -41,11 +41,11 @@ def test_one_chunk_at_position_zero_equals_vllms_own_prefill(
 def test_multi_chunk_turbo_agrees_with_the_in_process_turbo(
     vllm_engine: VLLMEngine, engine: KVRAGEngine, musique: Corpus
 ) -> None:
-    """10 questions, two passages each asked in the other order: the same prompt
+    """Six questions, two passages each asked in the other order: the same prompt
     tokens, the first token's top-20 log-probabilities within 1e-3, and the same
-    32 greedy tokens on at least 9 of 10."""
+    32 greedy tokens on at least 5 of 6 (a near tie may part them)."""
     same, gaps = 0, []
-    for i in range(10):
+    for i in range(6):
         item, chunks = musique.item(i), musique.chunks(i, 2, tag=f"agree-{i}")
         vllm_engine.encode_chunks(chunks, show_progress=False)
         engine.encode_chunks(chunks, show_progress=False)
@@ -58,7 +58,7 @@ def test_multi_chunk_turbo_agrees_with_the_in_process_turbo(
         gaps.append(max_logprob_gap(ours.first_token_logprobs, want))
         same += ours.token_ids == theirs.token_ids
     assert max(gaps) < 1e-3, gaps
-    assert same >= 9
+    assert same >= 5
 
 
 def test_approximate_blocks_never_serve_an_exact_request(
