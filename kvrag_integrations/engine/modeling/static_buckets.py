@@ -111,7 +111,7 @@ def unwind_capture(graph: Any, device: torch.device, pool: Any) -> None:
     with contextlib.suppress(Exception):
         graph.reset()
     with contextlib.suppress(Exception):  # "not currently recording": nothing to undo
-        torch._C._cuda_endAllocateToPool(index, pool if pool is not None else graph.pool())
+        torch._C._cuda_endAllocateToPool(index, pool)
     with contextlib.suppress(Exception):
         # a fresh state of the same seed and offset, out of capture mode (our
         # graphs draw no random numbers: none needs the state it registered)
