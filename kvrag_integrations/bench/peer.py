@@ -29,7 +29,7 @@ from typing import Any
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trimmed_chunks
 from kvrag_integrations.bench.metrics import token_f1
-from kvrag_integrations.bench.quality import label
+from kvrag_integrations.bench.quality import label, request_options
 from kvrag_integrations.engine.prompting.segments import rag_user_segments
 
 PEER = "HuggingFaceLLM"
@@ -113,7 +113,12 @@ def run(
     engine.encode_chunks([c for _, cs in prompts for c in cs], show_progress=False)
     peer = huggingface_llm(engine, max_new_tokens)
     ours = {
-        label(n, o): KVRAGLLM(engine, strategy=n, strategy_options=o, max_new_tokens=max_new_tokens)
+        label(n, o): KVRAGLLM(
+            engine,
+            strategy=n,
+            strategy_options=request_options(n, o),
+            max_new_tokens=max_new_tokens,
+        )
         for n, o in strategies
     }
     per: dict[str, dict[str, list[float]]] = {PEER: {}, **{name: {} for name in ours}}

@@ -8,7 +8,10 @@ log-likelihood teacher-forced after the prompt cache the strategy built).
 
 from __future__ import annotations
 
+import inspect
 import statistics
+from dataclasses import fields
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +24,10 @@ from kvrag_integrations.bench.metrics import (
     paired_bootstrap,
     token_f1,
 )
+from kvrag_integrations.engine.blend_settings import BlendSettings
 from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.engine.prompting.tokenize import tokenize_text
+from kvrag_integrations.engine.strategies.blend import CacheBlend
 from kvrag_integrations.store import MemoryKVStore
 
 DEFAULT_STRATEGIES: list[tuple[str, dict[str, Any]]] = [
@@ -209,6 +214,30 @@ def engine_for(
     return engines[key]
 
 
+def request_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A row's request options: a blend row that names options runs exactly those
+    over ``CacheBlend``'s own defaults, never the model's calibrated settings (which
+    fill what a call leaves out, ``engine.blend_settings``): a row's label says what
+    it ran. ``chunk_context`` left None reads the row's engine's entries. Blend by
+    name alone (the ``calibrated`` preset) stays as the engine serves it.
+
+    Examples:
+        >>> request_options("blend", {"recompute_ratio": 0.4})["selection"]
+        'auto'
+        >>> request_options("blend", {})
+        {}
+    """
+    if name != "blend" or not options:
+        return dict(options)
+    return {**_blend_defaults(), **options}
+
+
+@cache
+def _blend_defaults() -> dict[str, Any]:
+    params = inspect.signature(CacheBlend).parameters
+    return {f.name: params[f.name].default for f in fields(BlendSettings)}
+
+
 def label(name: str, options: dict[str, Any]) -> str:
     """``blend@0.15`` style names for table rows."""
     if name == "blend" and set(options) == {"recompute_ratio"}:
@@ -252,6 +281,7 @@ def run(
             settings = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
             runner = engine_for(engine, settings, engines)
             runner.encode_chunks(chunks, show_progress=False)
+            options = request_options(name, options)
             ttfts, result = [], None
             for _ in range(max(1, repeats)):
                 result = runner.generate(

@@ -36,7 +36,7 @@ import torch
 
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, sync, timed
-from kvrag_integrations.bench.quality import label
+from kvrag_integrations.bench.quality import label, request_options
 from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.engine.modeling.forward import run_tokens
 from kvrag_integrations.store import DiskKVStore, TieredKVStore
@@ -127,7 +127,9 @@ def measure_point(
             options = dict(options)
             store = {"store": options.pop("store")} if "store" in options else {}
             runner = runners[store.get("store", "memory")]
-            request = dict(question=question, chunks=chunks, strategy=name, **options)
+            request = dict(
+                question=question, chunks=chunks, strategy=name, **request_options(name, options)
+            )
 
             def answer(e: Any = runner, r: dict[str, Any] = request) -> None:
                 e.generate(max_new_tokens=1, **r)

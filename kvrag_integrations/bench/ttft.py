@@ -14,6 +14,7 @@ from kvrag_integrations.bench.quality import (
     ENGINE_OPTIONS,
     engine_for,
     label,
+    request_options,
 )
 from kvrag_integrations.engine.engine import KVRAGEngine
 
@@ -70,7 +71,8 @@ def run(
         runner = engine_for(engine, settings, engines)
         if runner is not engine:
             runner.encode_chunks(all_chunks, show_progress=False)
-        rows_of.append((label(name, {**options, **settings}), runner, name, options))
+        row = label(name, {**options, **settings})
+        rows_of.append((row, runner, name, request_options(name, options)))
     per_strategy: dict[str, list[float]] = {}
     prompt_tokens = []
     for question, chunks in prompts:

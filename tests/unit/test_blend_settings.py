@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrag_integrations import KVRAGEngine
+from kvrag_integrations.bench.quality import request_options
 from kvrag_integrations.engine.blend_settings import (
     BlendSettings,
     CalibratedChoice,
@@ -187,6 +188,13 @@ def test_an_engine_uses_its_calibration_for_blend(engine: KVRAGEngine) -> None:
     request = eng.prepare(eng_options(recompute_ratio=0.0), question="Which?", chunks=chunks)
     assert request.strategy.recompute_ratio == 0.0
     assert request.strategy.chunk_context == "sink"
+    # A benchmark row that names options runs those over CacheBlend's own defaults,
+    # not the calibrated ones (its label says what it ran).
+    row = request_options("blend", {"recompute_ratio": 0.0})
+    request = eng.prepare(eng_options(**row), question="Which?", chunks=chunks)
+    assert request.strategy.chunk_context in (None, eng.prompts.context)
+    assert (request.strategy.selection, request.strategy.recompute_first) == ("auto", 0)
+    assert request_options("blend", {}) == {}  # blend by name: as calibrated
 
 
 def eng_options(**options):
