@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvrag_integrations.bench.common import RagItem, markdown_table, trimmed_chunks
-from kvrag_integrations.bench.quality import engine_for
+from kvrag_integrations.bench.rows import engine_for
 from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.engine.modeling.attention_mass import attention_mass
 from kvrag_integrations.engine.modeling.forward import run_tokens

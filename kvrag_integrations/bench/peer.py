@@ -29,7 +29,7 @@ from typing import Any
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, append_values, markdown_table, trimmed_chunks
 from kvrag_integrations.bench.metrics import token_f1
-from kvrag_integrations.bench.quality import label, request_options
+from kvrag_integrations.bench.rows import label, request_options
 from kvrag_integrations.engine.prompting.segments import rag_user_segments
 
 PEER = "HuggingFaceLLM"

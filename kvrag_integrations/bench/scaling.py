@@ -36,7 +36,7 @@ import torch
 
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, chunk_pool, markdown_table, sync, timed
-from kvrag_integrations.bench.quality import label, request_options
+from kvrag_integrations.bench.rows import label, request_options
 from kvrag_integrations.engine.engine import KVRAGEngine
 from kvrag_integrations.engine.modeling.forward import run_tokens
 from kvrag_integrations.store import DiskKVStore, TieredKVStore

@@ -8,14 +8,8 @@ from typing import Any
 
 from kvrag_integrations.bench import plots
 from kvrag_integrations.bench.common import RagItem, markdown_table, timed, trimmed_chunks
-from kvrag_integrations.bench.quality import (
-    CALIBRATED,
-    DEFAULT_STRATEGIES,
-    ENGINE_OPTIONS,
-    engine_for,
-    label,
-    request_options,
-)
+from kvrag_integrations.bench.quality import CALIBRATED, DEFAULT_STRATEGIES
+from kvrag_integrations.bench.rows import ENGINE_OPTIONS, engine_for, label, request_options
 from kvrag_integrations.engine.engine import KVRAGEngine
 
 # Issue 21's candidates for the default blend beside today's (their fidelity:

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrag_integrations import KVRAGEngine
-from kvrag_integrations.bench.quality import request_options
+from kvrag_integrations.bench.rows import request_options
 from kvrag_integrations.engine.blend_settings import (
     BlendSettings,
     CalibratedChoice,
