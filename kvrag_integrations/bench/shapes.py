@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from kvrag_integrations.engine.modeling import model as model_module
-from kvrag_integrations.engine.modeling.hf_compat import prefer_grouped_sdpa
+from kvrag_integrations.engine.modeling.hf_compat import gguf_read_once, prefer_grouped_sdpa
 from kvrag_integrations.engine.modeling.host_memory import keep_freed_memory
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.engine.modeling.model import (
@@ -111,7 +111,8 @@ def shape_config(name: str, tokenizer: Any = None) -> transformers.PretrainedCon
 def bundled_tokenizer() -> Any:
     """The bundled SmolLM2 tokenizer, read from the GGUF file's metadata (no weights)."""
     path = model_module.default_model_file()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with gguf_read_once():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -129,3 +129,31 @@ def test_load_refuses_a_broken_release_and_reuse_false_still_answers_by_full(
     assert full.generated_tokens == 3
     with pytest.raises(UnsupportedModelError, match="reuse=False"):
         engine.generate(question="Capital?", chunks=chunks, strategy="turbo", max_new_tokens=3)
+
+
+def test_gguf_read_once_parses_each_file_once_and_undoes_itself(tmp_path: Path) -> None:
+    """transformers reads a GGUF file three times on a first load (config,
+    tokenizer, weights); within ``gguf_read_once`` each read gets the one parse."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(50)])
+    writer.add_tensor("token_embd.weight", torch.arange(12, dtype=torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    original = gguf.GGUFReader
+    arch = next(iter(gguf.MODEL_ARCH_NAMES))
+    with hf_compat.gguf_read_once():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first  # a str and a Path of one file
+        assert gguf.GGUFReader(str(path), "r+") is not first  # another mode reads anew
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 3)
+    assert gguf.GGUFReader is original
+    assert len(first.fields["tokenizer.ggml.tokens"].data) == 50  # the file, parsed
+    assert gguf.GGUFReader(str(path)) is not first
+    with pytest.raises(RuntimeError), hf_compat.gguf_read_once():
+        raise RuntimeError("a failed load")
+    assert gguf.GGUFReader is original

