@@ -131,9 +131,8 @@ def server_command(model: str | None, store: str, rest: list[str], **settings: A
     arguments ``start_local`` uses, cached-token counts in the usage, the
     gateway (API keys and grants) and the installer of the server's hook
     (anonymous requests' own salts; detection of stored passages)."""
-    extension = (
-        {"worker_extension_cls": WORKER_EXTENSION} if settings.get("reuse") == "blend" else {}
-    )
+    # (the workers' model: blend's recompute, anonymous requests' texts in place)
+    extension = {"worker_extension_cls": WORKER_EXTENSION}
     args = engine_args(model, transfer_config(store, **settings), **extension)
     command = [sys.executable, "-m", SERVE_MODULE]
     command += [*_flags(args), "--enable-prompt-tokens-details"]

@@ -27,6 +27,9 @@ API: the request body's ``kv_transfer_params``):
   an entry of a text an anonymous request brought (glue, a prefix), stored under
   ids with a secret suffix, read by that request alone and dropped after it.
   ``private_load``: the load pieces (by index) read from there.
+- ``computed_load``: the load pieces (by index) that read no entry: the load's
+  step computes their rows (turbo: each text alone, as its entry would have been
+  encoded; blend: with the run's text) (an anonymous request's own texts).
 - ``detect``: false opts a plain client's request out of the server's detection
   of stored passages (``server.reuse_hook``): it then runs exactly, as plain vLLM.
 - ``tenant``: the client's own tenant salt (``TransferParams.tenant_salt``: the
@@ -38,9 +41,9 @@ API: the request body's ``kv_transfer_params``):
   its own, so the blocks its recompute wrote are never another request's).
 - ``admission``: what the server decided for the request where it entered
   (``admission.Admission``, signed): the server's own; a client that sends one
-  is refused, as one that sends ``private`` or ``private_load``
-  (``SERVER_FIELDS``: only the server's hook stores or reads a request's texts
-  in its private namespace).
+  is refused, as one that sends ``private``, ``private_load`` or
+  ``computed_load`` (``SERVER_FIELDS``: only the server's hook stores, reads or
+  computes a request's own texts).
 
 Which of these a request may use, and under which ``cache_salt``, is its
 admission's to say: a request the connector does not admit loads and stores
@@ -83,10 +86,11 @@ _FIELDS = {
     "deferred",
     "private",
     "private_load",
+    "computed_load",
 }
 
 
-SERVER_FIELDS = ("admission", "private", "private_load")
+SERVER_FIELDS = ("admission", "private", "private_load", "computed_load")
 """Fields only the server writes; a client's are refused where it enters."""
 
 
@@ -100,6 +104,7 @@ class PieceSpec:
     tail: tuple[int, ...] = ()
     lead: tuple[int, ...] = ()  # the entry's ids before the piece (read from inside it)
     own: bool = False  # its entry is in the request's private namespace (``private_load``)
+    computed: bool = False  # no entry: its rows are computed in the load's step
 
     @property
     def end(self) -> int:
@@ -226,6 +231,9 @@ and follow each other; piece 0 starts at 1, not 0
         own = [i for i, piece in enumerate(self.load) if piece.own]
         if own:
             ours["private_load"] = own
+        computed = [i for i, piece in enumerate(self.load) if piece.computed]
+        if computed:
+            ours["computed_load"] = computed
         return {PARAMS_KEY: ours}
 
     @property
@@ -235,6 +243,7 @@ and follow each other; piece 0 starts at 1, not 0
         (its entry's ids can be thousands)."""
         layout = [p.as_list() if not p.lead else _digested(p) for p in self.load]
         layout = [[*p, "private"] if piece.own else p for p, piece in zip(layout, self.load)]
+        layout = [[*p, "computed"] if q.computed else p for p, q in zip(layout, self.load)]
         if self.reuse == "blend":  # a blend load's blocks are its own (its nonce)
             blend = self.blend.as_json() if self.blend is not None else {}
             layout.append(["reuse", self.reuse, sorted(blend.items())])
@@ -289,13 +298,14 @@ and follow each other; piece 0 starts at 1, not 0
             raise TransferParamsError("detect, deferred and private must be true or false")
         if private and not save:
             raise TransferParamsError("private applies to a save")
-        own = ours.get("private_load", [])
-        if not isinstance(own, list) or len(own) > len(load):
-            raise TransferParamsError("private_load lists load pieces by index")
-        indices = {_int(i, "a private_load index", 0) for i in own}
-        if any(i >= len(load) for i in indices):
-            raise TransferParamsError("private_load lists load pieces by index")
-        load = tuple(replace(p, own=True) if i in indices else p for i, p in enumerate(load))
+        own = _indices(ours, "private_load", len(load))
+        computed = _indices(ours, "computed_load", len(load))
+        if own & computed:
+            raise TransferParamsError("a computed piece reads no entry: it is not private_load")
+        load = tuple(
+            replace(p, own=i in own, computed=i in computed) if i in own | computed else p
+            for i, p in enumerate(load)
+        )
         reuse = ours.get("reuse", "")
         if reuse not in ("", "turbo", "blend"):
             raise TransferParamsError("reuse must be 'turbo' or 'blend'")
@@ -344,6 +354,17 @@ def _int(value: Any, what: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise TransferParamsError(f"{what} must be an integer >= {low}, got {value!r}")
     return value
+
+
+def _indices(ours: Mapping[str, Any], name: str, pieces: int) -> set[int]:
+    """The load pieces a field lists by index."""
+    raw = ours.get(name, [])
+    if not isinstance(raw, list) or len(raw) > pieces:
+        raise TransferParamsError(f"{name} lists load pieces by index")
+    indices = {_int(i, f"a {name} index", 0) for i in raw}
+    if any(i >= pieces for i in indices):
+        raise TransferParamsError(f"{name} lists load pieces by index")
+    return indices
 
 
 def _pieces(raw: Any, what: str) -> tuple[PieceSpec, ...]:

@@ -5,7 +5,9 @@ Blend runs vLLM's own model code for the recomputed rows and only the attention 
 ours, so what it refuses is attention it does not reproduce: ALiBi, attention
 sinks, a layer that is not vLLM's ``Attention``, a model whose forward takes no
 token ids and positions. A server started with ``--reuse blend`` stops with the
-reason (``server.startup.attach_blend``); ``VLLMEngine`` refuses blend at the call.
+reason (``server.startup.attach_model``; a turbo server then encodes an anonymous
+request's own texts instead of computing them in place); ``VLLMEngine`` refuses
+blend at the call.
 """
 
 from __future__ import annotations

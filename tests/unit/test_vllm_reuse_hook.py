@@ -604,3 +604,64 @@ def test_a_clients_own_load_on_a_blend_server_is_blended_under_a_nonce_of_its_ow
         assert engine_prompt["cache_salt"] == request_salt(admission.tenant, sent.layout)
         nonces.append(sent.blend.nonce)
     assert nonces[0] != nonces[1] and nonces[2] == "n" * 20
+
+
+def test_where_the_workers_have_the_model_an_anonymous_requests_texts_are_computed_in_place() -> (
+    None
+):
+    """``in_place`` (the server attached the model to its workers): the same request
+    encodes nothing and waits for nothing; its head and glue are computed pieces of
+    its load (under its secret suffix: its salt is its own), nothing of it is stored
+    or forgotten, and the same request sent twice takes the same course."""
+    stored = Stored()
+    for passage in PASSAGES:
+        stored.put(passage)
+    forgotten: list[Any] = []
+    hook, engine = hook_over(stored, forget=lambda tenant, entry: forgotten.append(entry))
+    hook.in_place = True
+    keys = set(stored.keys)
+    p = prompt([1, 3, 0], ids(12))
+    salts, courses = [], []
+    for _ in range(2):
+        engine.seen.clear()
+        engine_prompt, params, admission = run(hook, p)
+        sent = sent_params(params)
+        assert not engine.encodes() and not sent.save
+        assert sent.load_end == len(p) - 12 - len(TAIL)
+        assert [q.computed for q in sent.load] == [True, False, True, False, True, False]
+        assert not any(q.own for q in sent.load)
+        assert all(q.tail == sent.load[0].tail for q in sent.load if q.computed)
+        assert engine_prompt["cache_salt"] == request_salt(admission.tenant, sent.layout)
+        salts.append(engine_prompt["cache_salt"])
+        courses.append(course(engine, params))
+    assert salts[0] != salts[1] and courses[0] == courses[1]
+    assert stored.keys == keys and not forgotten
+
+
+@pytest.mark.parametrize(
+    ("answers", "blend", "in_place"),
+    [
+        ([""], False, True),  # every worker took the model
+        (["layer 3 uses ALiBi"], False, False),  # turbo: own texts encoded instead
+        (RuntimeError("no kvrag_attach_model"), False, False),  # no worker extension
+        ([""], True, True),
+        (["layer 3 uses ALiBi"], True, None),  # blend: the server stops, saying why
+    ],
+)
+def test_the_workers_model_decides_whether_own_texts_are_computed_in_place(
+    answers: Any, blend: bool, in_place: bool | None
+) -> None:
+    from kvrag_integrations.errors import UnsupportedModelError
+    from kvrag_integrations.vllm.server.startup import attach_model
+
+    async def collective_rpc(method: str) -> list[str]:
+        if isinstance(answers, Exception):
+            raise answers
+        return answers
+
+    client = SimpleNamespace(collective_rpc=collective_rpc)
+    if in_place is None:
+        with pytest.raises(UnsupportedModelError, match="ALiBi"):
+            asyncio.run(attach_model(client, blend))
+    else:
+        assert asyncio.run(attach_model(client, blend)) is in_place

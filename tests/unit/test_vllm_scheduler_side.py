@@ -19,7 +19,7 @@ from kvrag_integrations.engine.blend_settings import BlendSettings
 from kvrag_integrations.errors import TransferParamsError
 from kvrag_integrations.vllm.admission import Admission, ClientPolicy
 from kvrag_integrations.vllm.connector.scheduler_side import SchedulerSide
-from kvrag_integrations.vllm.params import BlendRequest, PieceSpec, TransferParams
+from kvrag_integrations.vllm.params import SERVER_FIELDS, BlendRequest, PieceSpec, TransferParams
 from kvrag_integrations.vllm.trust import Grant, Tenant, key_digest, request_salt
 
 FP = "fp+kv-float16"
@@ -457,3 +457,61 @@ def test_a_blend_salt_is_its_nonces() -> None:
     )
     salts = {request_salt(Tenant(), p.layout) for p in (a, b, TransferParams(load=BLEND_RUN))}
     assert len(salts) == 3  # two blend loads of one layout, and turbo: three salts
+
+
+# ------------------------------------------------------- computed pieces
+SECRET_TAIL = (9, 9, 9)
+TEXT = PieceSpec(20, 6, SECRET_TAIL, computed=True)  # a request's own text, read from nowhere
+COMPUTED_RUN = (PieceSpec(0, 20), TEXT, PieceSpec(26, 150))
+
+
+def test_a_computed_piece_needs_no_entry_and_its_rows_are_not_counted_as_cached() -> None:
+    """A turbo load's computed piece: the run loads through it (nothing stored under
+    it) and the workers get it marked: they compute its rows alone, as its entry
+    would have been encoded (counted with the load, as blend's recomputed rows are;
+    where they cannot, the whole load is a miss)."""
+    s = side({key(COMPUTED_RUN[0]), key(COMPUTED_RUN[2])})
+    req = request("t", TransferParams(load=COMPUTED_RUN))
+    assert s.matched_tokens(req, 0) == 176
+    s.allocated(req, 176)
+    stats = req.prefill_stats  # as vLLM sets them when it schedules the request
+    stats.num_cached_tokens = stats.num_external_cached_tokens = 176
+    (load,) = s.step([("t", 176, 124)]).loads
+    assert [p.computed for p in load.pieces] == [False, True, False]
+    assert load.pieces[1].entry_ids == (*PROMPT[20:26], *SECRET_TAIL)
+    assert load.blend is None
+    s.load_failed("t", 0)  # the workers could not compute it: all of it recomputed
+    reply = s.finished("t")
+    assert (reply.loaded, reply.recomputed, reply.reuse) == (0, 176, "turbo")
+    assert stats.num_cached_tokens == 0
+    # computed or not, the stored pieces around it must be there
+    assert side({key(COMPUTED_RUN[0])}).matched_tokens(req, 0) == 26
+
+
+def test_a_blend_loads_computed_head_is_recomputed_not_taken_as_exact() -> None:
+    """A computed piece at position 0, however long, is text the op computes: never
+    the exact leading piece, never a candidate chunk left unselected."""
+    head = PieceSpec(0, 40, SECRET_TAIL, computed=True)
+    run = (head, PieceSpec(40, 100, (7,)), PieceSpec(140, 150))
+    s = blend_side({key(p) for p in run[1:]})
+    params = TransferParams(load=run, reuse="blend", blend=BlendRequest(nonce=NONCE))
+    req = request("h", params)
+    s.allocated(req, s.matched_tokens(req, 0))
+    (load,) = s.step([("h", 290, 10)]).loads
+    assert load.blend is not None
+    assert (load.blend.exact, load.blend.texts) == (0, ((0, 40),))
+    assert load.blend.chunks == ((40, 140), (140, 290))
+
+
+def test_computed_pieces_are_the_servers_and_salt_the_layout() -> None:
+    """``computed_load`` is a server field (a client's is refused where it enters),
+    round-trips, cannot also be read privately, and changes the request's salt."""
+    params = TransferParams(load=COMPUTED_RUN)
+    again = TransferParams.from_request(params.as_request())
+    assert again == params and params.as_request()["kvrag"]["computed_load"] == [1]
+    plain = TransferParams(load=(COMPUTED_RUN[0], replace(TEXT, computed=False), COMPUTED_RUN[2]))
+    assert request_salt(Tenant(), params.layout) != request_salt(Tenant(), plain.layout)
+    both = {**params.as_request()["kvrag"], "private_load": [1]}
+    with pytest.raises(TransferParamsError, match="not private_load"):
+        TransferParams.from_request({"kvrag": both})
+    assert "computed_load" in SERVER_FIELDS

@@ -17,13 +17,14 @@ import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
+from kvrag_integrations.engine.blend_settings import BlendSettings
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.errors import PagedLayoutError
 from kvrag_integrations.store import MemoryKVStore
 from kvrag_integrations.store.write_budget import StoreBudget
-from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp, SaveOp
-from kvrag_integrations.vllm.connector.paged import PagedLayout
-from kvrag_integrations.vllm.connector.worker_side import WorkerSide, layer_index
+from kvrag_integrations.vllm.connector.messages import BlendOp, LoadOp, PieceOp, SaveOp
+from kvrag_integrations.vllm.connector.paged import PagedLayout, layer_index
+from kvrag_integrations.vllm.connector.worker_side import WorkerSide
 from kvrag_integrations.vllm.trust import Tenant
 
 BLOCK = 4  # tokens per block
@@ -225,7 +226,9 @@ def test_saves_keep_the_store_within_its_budget() -> None:
         ids = tuple(range(10 * i, 10 * i + 8))
         assert side.save(SaveOp(f"s{i}", (0, 1), (PieceOp(0, 8, ids),))) == 1
         assert sum(e.nbytes for e in store.entries()) <= 3 * one
-    assert side.budget is not None and side.budget.evicted >= 2  # the oldest went first
+    assert (
+        side.writes.budget is not None and side.writes.budget.evicted >= 2
+    )  # the oldest went first
     assert store.contains(cache_key(FP, list(range(50, 58))))  # the newest stayed
     assert not StoreBudget(store, max_bytes=one).allow_write(2 * one)  # never fits: skipped
 
@@ -235,14 +238,14 @@ def test_a_learned_prompt_is_stored_after_the_step_and_announced_to_the_index() 
 
     store, log = MemoryKVStore(), MemoryIndexLog()
     side = worker(store)
-    side.index_log = log
+    side.writes.index_log = log
     blocks = (0, 1)
     for index, cache in side.caches.items():
         torch.manual_seed(index)
         cache.copy_(torch.randn_like(cache))
     op = SaveOp("s", blocks, (PieceOp(0, 6, (1, 2, 3, 4, 5, 6)),), background=True)
     assert side.save(op) == 1
-    side._writer.shutdown(wait=True)  # the writer thread has stored it by now
+    side.writes.drain()  # the writer thread has stored it by now
     key = cache_key(FP, [1, 2, 3, 4, 5, 6])
     stored = store.get(key, FP)
     assert stored is not None
@@ -256,7 +259,7 @@ def test_a_private_entry_is_stored_but_not_announced_to_the_index() -> None:
 
     store, log = MemoryKVStore(), MemoryIndexLog()
     side = worker(store)
-    side.index_log = log
+    side.writes.index_log = log
     op = SaveOp("p", (0, 1), (PieceOp(0, 6, (1, 2, 3, 4, 5, 6)),), indexed=False)
     assert side.save(op) == 1
     assert store.contains(cache_key(FP, [1, 2, 3, 4, 5, 6])) and log.read_new() == []
@@ -287,11 +290,11 @@ def test_refused_writes_are_counted_logged_and_reach_the_metrics(
             == 0
         )
     assert any("entry refused" in r.getMessage() for r in caplog.records)
-    stats = budget_counts(side.budget)  # (what the worker's connector reports)
+    stats = budget_counts(side.writes.budget)  # (what the worker's connector reports)
     assert stats["writes_refused:key"] == 1 and stats["entries_evicted"] >= 2
-    assert budget_counts(side.budget) == {"writes_refused:key": 0, "entries_evicted": 0}
+    assert budget_counts(side.writes.budget) == {"writes_refused:key": 0, "entries_evicted": 0}
     reported = counted(stats)
-    assert isinstance(reported, KVRAGStats) and counted(budget_counts(side.budget)) is None
+    assert isinstance(reported, KVRAGStats) and counted(budget_counts(side.writes.budget)) is None
     try:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -311,3 +314,82 @@ def test_refused_writes_are_counted_logged_and_reach_the_metrics(
     metrics.observe(KVRAGConnector.build_kv_connector_stats(reported.data).data, 0)
     text = generate_latest(registry).decode()
     assert 'kvrag:store_writes_refused_total{engine="0",kind="key"} 1.0' in text
+
+
+class RecordingBlender:
+    """What the worker hands the model's runner (the real recompute is
+    ``BlendRunner``'s, run in vLLM by the vLLM lane): blend ops, and the rows of
+    texts computed alone."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[BlendOp, list[int], list[int]]] = []
+        self.alone: list[tuple[list[int], list[int], list[int], list[int]]] = []
+
+    def run(self, op: BlendOp, ids: torch.Tensor, slots: torch.Tensor) -> int:
+        self.calls.append((op, ids.tolist(), slots.tolist()))
+        return sum(hi - lo for lo, hi in op.texts)
+
+    def compute_alone(self, ids, positions, slots, texts) -> None:
+        self.alone.append((ids.tolist(), positions.tolist(), slots.tolist(), texts.tolist()))
+
+
+def test_a_turbo_loads_computed_pieces_read_nothing_and_are_computed_once_per_step() -> None:
+    """Texts a request brought between stored passages (``PieceSpec.computed``): the
+    passages are written around them; the texts of every load of the step are
+    computed in one forward, each alone, at their own positions and slots."""
+    store = MemoryKVStore()
+    first, second = entry([5, 6, 7]), entry([8, 9, 10, 11])
+    store.put(first)
+    store.put(second)
+    side = worker(store)
+    side.blender = RecordingBlender()
+    text = PieceOp(3, 2, (40, 41, 77, 78), computed=True)  # its ids, then a secret tail
+    pieces = (PieceOp(0, 3, (5, 6, 7)), text, PieceOp(5, 4, (8, 9, 10, 11)))
+    head = PieceOp(0, 2, (50, 51, 79), computed=True)  # another request's, at position 0
+    assert side.load(LoadOp("r", (4, 1, 9), 0, 9, pieces)) == 9
+    assert side.load(LoadOp("q", (2, 3), 0, 5, (head, PieceOp(2, 3, (5, 6, 7))))) == 5
+    assert not side.blender.alone  # (not before every load of the step is written)
+    side.compute_texts()
+    ((ids, positions, slots, texts),) = side.blender.alone
+    assert ids == [40, 41, 50, 51] and positions == [3, 4, 0, 1] and texts == [0, 0, 1, 1]
+    assert slots == side.slots((4, 1, 9), 3, 5).tolist() + side.slots((2, 3), 0, 2).tolist()
+    assert side.take_failed_loads() == {} and not side.blender.calls
+    paged = side._paged()
+    for index in range(2):
+        keys, values = paged.read(side.caches[index], side.slots((4, 1, 9), 5, 9))
+        torch.testing.assert_close(keys.transpose(0, 1), moved(second.keys[index], 5))
+        assert torch.equal(values.transpose(0, 1), second.values[index])
+        _, text_values = paged.read(side.caches[index], side.slots((4, 1, 9), 3, 5))
+        assert not text_values.any()  # nothing was read for it: its forward writes it
+
+
+def test_a_blend_loads_computed_piece_is_its_blend_ops() -> None:
+    store = MemoryKVStore()
+    store.put(entry([5, 6, 7]))
+    side = worker(store)
+    side.blender = RecordingBlender()
+    pieces = (PieceOp(0, 3, (5, 6, 7)), PieceOp(3, 2, (40, 41, 77), computed=True))
+    op = BlendOp(BlendSettings(recompute_ratio=0.0), 3, (), ((3, 5),))
+    assert side.load(LoadOp("r", (4, 1), 0, 5, pieces, op)) == 5
+    side.compute_texts()
+    ((got, ids, _),) = side.blender.calls
+    assert got == op and ids == [5, 6, 7, 40, 41] and not side.blender.alone
+    assert side.take_blended() == {"r": 2}
+
+
+def test_computed_pieces_that_cannot_be_computed_fail_their_loads() -> None:
+    """No model attached: every load with computed pieces is a miss from its start
+    (recomputed by vLLM), never left with unwritten rows; so is a load whose start
+    (vLLM's own cache) cuts a computed piece."""
+    store = MemoryKVStore()
+    store.put(entry([5, 6, 7]))
+    side = worker(store)
+    pieces = (PieceOp(0, 3, (5, 6, 7)), PieceOp(3, 2, (40, 41), computed=True))
+    side.load(LoadOp("r", (4, 1), 0, 5, pieces))
+    side.load(LoadOp("plain", (2,), 0, 3, pieces[:1]))
+    side.compute_texts()
+    assert side.take_failed_loads() == {"r": 0}
+    side.blender = RecordingBlender()
+    cut = (PieceOp(0, 6, tuple(range(6)), computed=True), PieceOp(6, 3, (5, 6, 7)))
+    assert side.load(LoadOp("c", (4, 1, 2), 4, 9, cut)) == 0
+    assert side.take_failed_loads() == {"c": 4}

@@ -21,6 +21,11 @@ and vLLM's own model code (its projections, norms, rotary, MLPs; any family):
   then the selected rows (and every text row of the run, always) run through
   every layer, writing over the stored K/V.
 
+A turbo load's computed pieces (``PieceSpec.computed``: an anonymous request's
+own texts, read from no entry) run through the same forward, each text over
+itself only (``compute_alone``), as its entry would have been encoded: every
+load's of a step in one forward, their K/V written where they sit.
+
 The model comes from the worker through ``worker_extension.BlendWorkerExtension``
 (vLLM's ``--worker-extension-cls``, called once at start); ``check_model``
 refuses, naming it, a model whose attention this cannot reproduce (ALiBi,
@@ -69,6 +74,7 @@ class _Pass:
     mass_layers: frozenset[int] = frozenset()  # layers whose attention of the tail is summed
     tail_rows: int = 0  # the question's rows (the last ones): whose attention is summed
     mass: torch.Tensor | None = None  # [run] the question's attention per run position
+    alone: torch.Tensor | None = None  # [R] each row's text (rows that see only their own)
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,19 @@ class BlendRunner:
             self._forward(ids[rows], _Pass(rows, slots, run, write_from=0))
         return int(rows.numel())
 
+    @torch.inference_mode()
+    def compute_alone(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, texts: torch.Tensor
+    ) -> None:
+        """Compute rows of texts (``texts [R]``: which text each row is of), each text
+        over itself only, as its entry would have been encoded alone (at its prompt
+        positions: rotary is relative), writing their K/V at ``slots``: a turbo
+        load's computed pieces, every load's of a step in one forward."""
+        device = self.device
+        step = _Pass(positions.to(device), slots.to(device), 0, write_from=0)
+        step.alone = texts.to(device)
+        self._forward(ids.to(device), step)
+
     def _by_query(
         self,
         ids: torch.Tensor,
@@ -273,6 +292,11 @@ class BlendRunner:
         assert step is not None
         cache, layer = self.caches[index], self.layers[index]
         positions = step.positions.to(self.device)
+        if step.alone is not None:  # texts computed alone: each row sees its own text's
+            self.paged.write(layer, cache, step.slots, key, value)
+            visible = step.alone[None, :] == step.alone[:, None]
+            self._attend_rows(index, query, key, value, positions, positions, visible, output)
+            return
         in_run = positions < step.run  # (query, key, value: [rows, heads, head_dim])
         if step.stop_at == index:
             self._pick(step, cache, layer, positions, key, value)
@@ -286,19 +310,41 @@ class BlendRunner:
             keys = torch.cat([keys, key[~in_run].to(keys.dtype)])
             values = torch.cat([values, value[~in_run].to(values.dtype)])
             key_positions = torch.cat([key_positions, positions[~in_run]])
-        visible = key_positions[None, :] <= positions[:, None]
-        window = self.windows.get(index)
-        if window:
-            visible &= key_positions[None, :] > positions[:, None] - window
-        impl = layer.impl
-        softcap = getattr(impl, "logits_soft_cap", None) or None
-        out = rows_attention(query, keys, values, visible, float(impl.scale), softcap)
-        output.copy_(out.reshape(output.shape).to(output.dtype))
+        visible = self._attend_rows(
+            index, query, keys, values, positions, key_positions, None, output
+        )
         if index in step.mass_layers:
+            impl = layer.impl
+            softcap = getattr(impl, "logits_soft_cap", None) or None
             rows = slice(query.shape[0] - step.tail_rows, None)  # the question's rows
             mass = rows_mass(query[rows], keys, visible[rows], float(impl.scale), softcap)
             mass = mass[: step.run].float().cpu()
             step.mass = mass if step.mass is None else step.mass + mass
+
+    def _attend_rows(
+        self,
+        index: int,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        visible: torch.Tensor | None,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """``query``'s rows over the keys at positions up to theirs (within ``visible``
+        and the layer's sliding window), softcapped where the layer is, into
+        ``output``; the mask used."""
+        causal = key_positions[None, :] <= positions[:, None]
+        visible = causal if visible is None else visible & causal
+        window = self.windows.get(index)
+        if window:
+            visible &= key_positions[None, :] > positions[:, None] - window
+        impl = self.layers[index].impl
+        softcap = getattr(impl, "logits_soft_cap", None) or None
+        out = rows_attention(query, keys, values, visible, float(impl.scale), softcap)
+        output.copy_(out.reshape(output.shape).to(output.dtype))
+        return visible
 
     def _pick(
         self,

@@ -328,6 +328,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVRAGConnectorMetadata)
         for op in meta.ops.loads:
             self._worker.load(op)
+        self._worker.compute_texts()  # (the loads' computed pieces, in one forward)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """vLLM (worker, in each attention layer): block until that layer's load is
@@ -366,7 +367,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         budget's refused writes (by kind of namespace) and evictions, the refused
         requests (``stats``: the server logs them and ``/metrics`` counts them)."""
         if self._worker is not None:
-            return stats.counted(stats.budget_counts(self._worker.budget))
+            return stats.counted(stats.budget_counts(self._worker.writes.budget))
         return stats.counted(self._scheduler.take_stats()) if self._scheduler is not None else None
 
     @classmethod

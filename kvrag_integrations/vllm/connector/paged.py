@@ -26,6 +26,7 @@ into consecutive kernel blocks, so the same slot numbers address both.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,16 @@ from kvrag_integrations.errors import PagedLayoutError
 
 _DIGIT = 16  # probe values per pass: exact in every float dtype, bfloat16 included
 Strides = tuple[int, int, int, int]  # offset, then token, head and dim strides in a block
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer of an attention layer's name (``model.layers.3.self_attn.attn``):
+    how vLLM names each layer's paged cache."""
+    match = _LAYER_INDEX.search(name)
+    if match is None:
+        raise ValueError(f"cannot tell the decoder layer of {name!r}")
+    return int(match.group(1))
 
 
 @dataclass(frozen=True)

@@ -242,14 +242,14 @@ class SchedulerSide:
 
     def _blend_op(self, plan: _Plan, end: int) -> BlendOp:
         """What the workers recompute of a blend plan's run, loaded up to ``end``
-        (see the module docstring)."""
+        (see the module docstring; its computed pieces are text)."""
         assert plan.blend is not None
         run = [p for p in plan.load if p.start < end]
         head = run[0]
-        exact = min(head.rows, end) if not head.lead else 0  # read at 0 from row 0: exact
+        exact = min(head.rows, end) if not (head.lead or head.computed) else 0  # read at 0
         spans = [(p, p.start, min(p.end, end)) for p in run if p.start >= exact]
-        texts = tuple((lo, hi) for p, lo, hi in spans if p.rows <= TEXT_TOKENS)
-        chunked = [(p, lo, hi) for p, lo, hi in spans if p.rows > TEXT_TOKENS]
+        texts = tuple((lo, hi) for p, lo, hi in spans if p.rows <= TEXT_TOKENS or p.computed)
+        chunked = [(p, lo, hi) for p, lo, hi in spans if p.rows > TEXT_TOKENS and not p.computed]
         sink = [p.lead == (self.bos_id,) for p, _, _ in chunked]
         context = "sink" if sink and sum(sink) * 2 > len(sink) else "alone"
         lengths = sorted(p.rows for p, _, _ in chunked) or [0]
@@ -271,7 +271,8 @@ class SchedulerSide:
     def _stored_end(self, plan: _Plan) -> int:
         end = 0
         for piece in plan.load:
-            if not self._stored(piece.entry_ids(plan.prompt), plan.tenant_of(piece.own)):
+            tenant = plan.tenant_of(piece.own)
+            if not piece.computed and not self._stored(piece.entry_ids(plan.prompt), tenant):
                 break
             end = piece.end
         return end
@@ -370,6 +371,7 @@ def _overlapping(
             tuple(p.entry_ids(plan.prompt)),
             len(p.lead),
             plan.tenant_of(p.own or own).namespace,
+            p.computed,
         )
         for p in pieces
         if p.start < hi and p.end > lo

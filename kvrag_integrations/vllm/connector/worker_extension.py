@@ -1,8 +1,9 @@
-"""What the connector needs of vLLM's workers beyond its API: the model, for blend.
+"""What the connector needs of vLLM's workers beyond its API: the model.
 
 vLLM mixes a worker extension class into its workers (the engine argument
 ``worker_extension_cls``) and calls its methods by name on every worker
-(``collective_rpc``): that is how blend's recompute (``connector.blend``) gets
+(``collective_rpc``): that is how blend's recompute (``connector.blend``), and
+a load's computed pieces (an anonymous request's own texts, on any server), get
 the weights vLLM serves, with no second copy and no edit of vLLM. The server's
 startup hook (``server.startup``) and ``VLLMEngine.from_pretrained`` call
 ``kvrag_attach_model`` once, after the engine starts.

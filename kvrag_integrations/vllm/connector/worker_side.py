@@ -14,23 +14,19 @@ op to be one). A piece that cannot be loaded (missing since the lookup,
 corrupt, foreign, another shape) is a miss: its blocks and every later one of
 the request are reported as failed loads, and vLLM recomputes them
 (``kv_load_failure_policy="recompute"``). Nothing of it reaches the cache as if
-it were valid.
+it were valid. A computed piece reads nothing: a blend load's ``BlendOp`` computes
+its rows over the run; a turbo load's are computed alone, as their entries would
+have been encoded, every load's of the step in one forward (``compute_texts``).
 
 Saving (after the step's forward): the piece's K/V are read back out of the
-blocks (``PagedLayout``), stored in the configured precision under the key of
-its ids, in the namespace the piece names (its request's tenant's, or the
-request's own private one). A write the store's budget or
-its namespace's quota cannot hold (``StoreBudget``: least recently used
-entries are evicted first) is skipped. A failed write is logged; the piece is then a miss for later
-requests. A stored entry is announced in the content index's log, where the
-OpenAI server's detection (``detection``) finds it.
+blocks (``PagedLayout``), under the key of its ids in the namespace the piece
+names (its request's tenant's, or the request's own private one), and handed
+to the store (``entry_writer.EntryWriter``: its budget, the content index).
 """
 
 from __future__ import annotations
 
 import logging
-import re
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,27 +36,17 @@ import torch
 
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
 from kvrag_integrations.engine.modeling.layout import ModelLayout
-from kvrag_integrations.errors import StoreWriteError
 from kvrag_integrations.store import KVStore
 from kvrag_integrations.store.write_budget import StoreBudget
+from kvrag_integrations.vllm.connector.entry_writer import EntryWriter
 from kvrag_integrations.vllm.connector.messages import LoadOp, PieceOp, SaveOp
-from kvrag_integrations.vllm.connector.paged import PagedLayout
+from kvrag_integrations.vllm.connector.paged import PagedLayout, layer_index
 from kvrag_integrations.vllm.trust import Tenant
 
 logger = logging.getLogger(__name__)
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _TOUCH_EVERY_S = 60.0  # how often a hot entry's use is recorded in the store
-_MAX_LATER = 4  # deferred saves copied out of the cache, waiting for the writer
 _READ_THREADS = 4  # entries of one load read at once (I/O and hashing release the GIL)
-
-
-def layer_index(name: str) -> int:
-    """The decoder layer of an attention layer's name (``model.layers.3.self_attn.attn``)."""
-    match = _LAYER_INDEX.search(name)
-    if match is None:
-        raise ValueError(f"cannot tell the decoder layer of {name!r}")
-    return int(match.group(1))
 
 
 class WorkerSide:
@@ -87,11 +73,7 @@ class WorkerSide:
         index_log: Any = None,
     ):
         self.store = store
-        self.budget = budget
-        self.index_log = index_log  # where stored entries are announced (``matching``)
-        self._lock = threading.Lock()
-        self._writer: ThreadPoolExecutor | None = None  # stores deferred saves
-        self._waiting = 0
+        self.writes = EntryWriter(store, precision, budget, index_log)
         self._touched: dict[str, float] = {}
         self.fingerprint = fingerprint
         self.precision = precision
@@ -106,6 +88,7 @@ class WorkerSide:
         self.failed_loads: dict[str, int] = {}  # request -> where vLLM recomputes from
         self.scheduler_block_size = 0  # vLLM's cache config block size (the connector sets it)
         self._readers: ThreadPoolExecutor | None = None  # entry reads, made at first need
+        self._texts: list[tuple[LoadOp, PieceOp]] = []  # computed pieces, until compute_texts
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], attention: Mapping[str, Any]) -> None:
         """Note each layer's paged cache and attention layer (by decoder layer)."""
@@ -139,7 +122,10 @@ class WorkerSide:
     def slots(self, block_ids: Sequence[int], lo: int, hi: int) -> torch.Tensor:
         """The cache slots of prompt positions ``lo .. hi`` (in scheduler blocks of
         ``scheduler_block_size`` tokens; kernel blocks split them in order)."""
-        positions = torch.arange(lo, hi)
+        return self.slots_at(block_ids, torch.arange(lo, hi))
+
+    def slots_at(self, block_ids: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
+        """The cache slots of prompt ``positions``."""
         blocks = torch.as_tensor(list(block_ids), dtype=torch.long)
         size = self.scheduler_block_size
         return blocks[positions // size] * size + positions % size
@@ -156,6 +142,8 @@ class WorkerSide:
         failed_at: int | None = None
         read = self._read_entries(op)
         for piece in op.pieces:
+            if piece.computed:  # (its rows: the blend op's, or ``compute_texts``)
+                continue
             kv = read[_entry_of(piece)]
             if kv is None:
                 failed_at = max(piece.start, op.lo)
@@ -172,11 +160,44 @@ class WorkerSide:
                 ids = torch.tensor(_run_ids(op), dtype=torch.long)
                 slots = self.slots(op.block_ids, 0, op.hi)
                 self.blended[op.request_id] = self.blender.run(op.blend, ids, slots)
+            else:  # a turbo load's computed pieces: after every load of the step
+                texts = [p for p in op.pieces if p.computed and p.end > op.lo and p.start < hi]
+                if any(p.start < op.lo for p in texts):  # (its start is in vLLM's cache)
+                    raise RuntimeError("a computed piece is cut by the load's start")
+                self._texts += [(op, p) for p in texts]
         except Exception:
             logger.exception("loading request %s failed; its blocks are recomputed", op.request_id)
             failed_at = op.lo
         if failed_at is None:
             return op.hi - op.lo
+        return self._failed(op, failed_at)
+
+    def compute_texts(self) -> None:
+        """The computed pieces of the step's turbo loads (``load``), each text over
+        itself only, in one forward (``BlendRunner.compute_alone``); where that does
+        not run, their loads are misses (vLLM recomputes them)."""
+        pending, self._texts = self._texts, []
+        if not pending:
+            return
+        try:
+            if self.blender is None:
+                raise RuntimeError("no model attached")
+            spans = [(op, p, min(p.end, op.hi)) for op, p in pending]
+            ids = [i for _, p, end in spans for i in p.entry_ids[: end - p.start]]
+            self.blender.compute_alone(
+                torch.tensor(ids, dtype=torch.long),
+                torch.cat([torch.arange(p.start, end) for _, p, end in spans]),
+                torch.cat([self.slots(op.block_ids, p.start, end) for op, p, end in spans]),
+                torch.cat([torch.full((end - p.start,), n) for n, (_, p, end) in enumerate(spans)]),
+            )
+        except Exception:
+            logger.exception("computing %d texts failed; their loads are recomputed", len(pending))
+            for op in {id(op): op for op, _ in pending}.values():
+                self._failed(op, op.lo)
+
+    def _failed(self, op: LoadOp, failed_at: int) -> int:
+        """Report ``op``'s blocks from ``failed_at`` on as failed loads (vLLM recomputes
+        them); how many of its positions stand."""
         size = self.scheduler_block_size
         first = failed_at // size  # vLLM recomputes from this block's first token
         self.failed_blocks.update(op.block_ids[first : -(-op.hi // size)])
@@ -189,7 +210,7 @@ class WorkerSide:
         """Each entry of ``op``'s pieces, read and verified once (pieces of one entry
         share it); on threads where the store waits on I/O (a disk or Redis read
         of a 6k-token prompt's entries takes half the time on two)."""
-        pieces = list({_entry_of(piece): piece for piece in op.pieces}.values())
+        pieces = list({_entry_of(p): p for p in op.pieces if not p.computed}.values())
         if len(pieces) > 1 and self.store.parallel_reads:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(_READ_THREADS, "kvrag-read")
@@ -239,12 +260,13 @@ class WorkerSide:
         one buffer (cast from the stored form as they are copied), keys moved in
         place, one write. The buffers are a layer's size, reused for every layer
         (they stay in the CPU's cache), and no entry is copied whole first."""
-        lo, n = op.lo, hi - op.lo
+        lo = op.lo
         lay = self.layout
         cache_dtype = next(iter(self.caches.values())).dtype
         device = next(iter(self.caches.values())).device  # moved and rotated where vLLM runs
         spans = []  # (entry, its rows a..b, the buffer's row they start at)
-        deltas = []
+        deltas, positions = [], []
+        n = 0  # rows written (a computed piece's are not: its blend op computes them)
         sources: dict[int, ChunkKV] = {}  # an entry read once per op is moved once
         for piece, kv in ready:
             first, last = max(lo, piece.start) - piece.start, min(hi, piece.end) - piece.start
@@ -252,13 +274,18 @@ class WorkerSide:
                 if id(kv) not in sources:
                     sources[id(kv)] = _readable(kv, device)
                 a, b = piece.offset + first, piece.offset + last  # the entry's rows
-                spans.append((sources[id(kv)], a, b, piece.start + first - lo))
+                spans.append((sources[id(kv)], a, b, n))
                 shift = piece.start - piece.offset  # entry row r lands at r + shift
                 deltas.append(torch.full((last - first,), shift, dtype=torch.long))
-        if sum(b - a for _, a, b, _ in spans) != n:
+                positions.append(torch.arange(piece.start + first, piece.start + last))
+                n += last - first
+        computed = sum(max(0, min(hi, p.end) - max(lo, p.start)) for p in op.pieces if p.computed)
+        if n + computed != hi - lo:
             raise ValueError(f"the pieces do not cover positions {lo}..{hi} once each")
+        if not n:
+            return  # (all of it computed)
         delta = torch.cat(deltas)
-        slots = self.slots(op.block_ids, lo, hi)
+        slots = self.slots_at(op.block_ids, torch.cat(positions))
         paged = self._paged()
         # float32 while keys move (as the in-process engine's assembly does); values
         # are only copied, straight into the cache's dtype
@@ -291,58 +318,12 @@ class WorkerSide:
             try:
                 kv = self._read(op, piece)
                 if op.background:
-                    stored += self._later(op.request_id, kv, op.indexed)
+                    stored += self.writes.later(op.request_id, kv, op.indexed)
                 else:
-                    stored += self._store(op.request_id, kv, op.indexed)
+                    stored += self.writes.store(op.request_id, kv, op.indexed)
             except Exception:
                 logger.exception("request %s: entry not stored", op.request_id)
         return stored
-
-    def _later(self, request_id: str, kv: ChunkKV, indexed: bool = True) -> int:
-        """Store ``kv`` on the writer thread (at most ``_MAX_LATER`` waiting: a deferred save is
-        best effort, the cache's memory is not)."""
-        with self._lock:
-            if self._waiting >= _MAX_LATER:
-                logger.info("request %s: deferred entry dropped (writer busy)", request_id)
-                return 0
-            self._waiting += 1
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvrag-store-writer")
-        self._writer.submit(self._store_later, request_id, kv, indexed)
-        return 1
-
-    def _store_later(self, request_id: str, kv: ChunkKV, indexed: bool) -> None:
-        try:
-            self._store(request_id, kv, indexed)
-        except Exception:
-            logger.exception("request %s: entry not stored", request_id)
-        finally:
-            with self._lock:
-                self._waiting -= 1
-
-    def _store(self, request_id: str, kv: ChunkKV, indexed: bool = True) -> int:
-        try:
-            kv = kv.stored_as(self.precision)
-            with self._lock:  # the budget's accounting: one writer at a time
-                allowed = self.budget is None or self.budget.allow_write(
-                    _entry_bytes(kv), kv.fingerprint, kv.key
-                )
-                if not allowed:  # (counted too: ``stats.budget_counts``)
-                    logger.info("request %s: entry refused: no room within its quota", request_id)
-                    return 0
-                self.store.put(kv)
-        except StoreWriteError as exc:
-            logger.warning("request %s: entry not stored (%s)", request_id, exc)
-            return 0
-        if self.index_log is not None and indexed:  # (a private entry: found by no one)
-            self._announce(kv)
-        return 1
-
-    def _announce(self, kv: ChunkKV) -> None:
-        try:
-            self.index_log.append(kv.fingerprint, kv.token_ids.tolist())
-        except Exception as exc:  # stored all the same; only detection misses it
-            logger.warning("entry not indexed (%s)", exc)
 
     def _read(self, op: SaveOp, piece: PieceOp) -> ChunkKV:
         paged = self._paged()
@@ -389,8 +370,3 @@ def _readable(kv: ChunkKV, device: torch.device) -> ChunkKV:
     dequantized once, to float32; a float one kept in its stored form, which the
     gather casts as it copies)."""
     return kv.to(device, torch.float32) if kv.is_quantized else kv.to(device)
-
-
-def _entry_bytes(kv: ChunkKV) -> int:
-    """About what an entry takes in the store: its tensors and a header."""
-    return kv.nbytes + 4096

@@ -31,9 +31,10 @@ What is stored of what a request sent depends on its admission
   (``Detection.remainder``).
 - **A request with a private namespace** (an anonymous caller, a key of the
   shared namespace): every text it brings between or before found passages is
-  encoded for it alone (``Own``: under its secret suffix, in its own namespace,
-  never indexed), and nothing else is stored: its course is the same whatever
-  any other caller sent before it.
+  computed in its load's step (``Own.in_place``: where the workers have the
+  model, ``server.startup``), or else encoded for it alone (``Own``: under its
+  secret suffix, in its own namespace, never indexed); nothing else is stored:
+  its course is the same whatever any other caller sent before it.
 - **A reader** stores nothing: the load stops at the first text no entry holds.
 
 A longer unknown text before the first found passages (an agent's new question
@@ -91,11 +92,14 @@ class RunIndex(Protocol):
 class Own:
     """A request's own texts: where they are stored for it alone (the storage
     fingerprint of its private namespace), the secret suffix their entries' ids
-    end in, and the spans of it encoded so far."""
+    end in, and the spans of it encoded so far; or, ``in_place``, none stored:
+    each is a computed piece (``PieceSpec.computed``), its rows computed in the
+    load's step (the suffix then salts the request alone)."""
 
     fingerprint: str
     tail: tuple[int, ...]
     ready: frozenset[tuple[int, ...]] = frozenset()
+    in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,8 @@ class Detector:
         """The piece of a text between (or before) found passages, where it is
         stored: the request's own entry of it where it has a private namespace,
         else the tenant's (None: not stored)."""
+        if own is not None and own.in_place:
+            return PieceSpec(start, len(span), own.tail, computed=True)
         if own is not None:
             ready = span in own.ready
             return PieceSpec(start, len(span), own.tail, own=True) if ready else None

@@ -38,12 +38,12 @@ multimodal input (entries hold the base model's text K/V), or where nothing
 stored is found; the reason is logged at debug level.
 
 What is stored of what a request sent follows its admission: a tenant that
-keeps has its prompts learned, and its glue and prefixes stored, in its
-own namespace; a request
-with a private namespace (an anonymous caller) has its glue and prefix
-encoded for it alone (``detection.Own``: ids ending in a secret suffix drawn
-for the request, never indexed), reads them as its pieces, and they are
-deleted once it is answered; a reader stores nothing.
+keeps has its prompts learned, and its glue and prefixes stored, in its own
+namespace; a request with a private namespace (an anonymous caller) has its
+glue and prefix computed in its load's step (``in_place``: nothing stored), or
+where the workers cannot, encoded for it alone (``detection.Own``: ids ending
+in a secret suffix drawn for the request, never indexed), read as its pieces
+and deleted once it is answered; a reader stores nothing.
 """
 
 from __future__ import annotations
@@ -65,10 +65,7 @@ from kvrag_integrations.vllm.server.arrival import Arrival, BadRequest, current
 from kvrag_integrations.vllm.server.detection import Detector, Own
 from kvrag_integrations.vllm.server.encodes import Encodes, vllm_sampling_params
 from kvrag_integrations.vllm.server.shares import ComputeShares
-from kvrag_integrations.vllm.trust import (
-    Tenant,
-    request_salt,
-)
+from kvrag_integrations.vllm.trust import Tenant, request_salt
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +130,7 @@ class ReuseHook:
         reuse: str = DEFAULT_REUSE,
     ):
         self.reuse = reuse
+        self.in_place = False  # private texts computed in the load's step (``startup``)
         self.generate_inner = generate
         self.forget = forget
         self.detector = detector
@@ -217,7 +215,7 @@ class ReuseHook:
         mine = None
         if admission.own is not None:
             private = admission.own.fingerprint(self.detector.base_fingerprint)
-            mine = Own(private, _secret_tail(ids))
+            mine = Own(private, _secret_tail(ids), in_place=self.in_place)
         detection = self.detector.detect(fingerprint, ids, admission.keeps, mine)
         if detection.glue:
             # Text no entry holds yet between (or before) found passages would stop

@@ -81,8 +81,10 @@ class ReuseInstaller:
             return
         hook = install(engine_client)
         settings = _settings(engine_client)
-        if settings is not None and settings.reuse == "blend":
-            await attach_blend(engine_client)
+        if settings is not None:
+            in_place = await attach_model(engine_client, settings.reuse == "blend")
+            if hook is not None:
+                hook.in_place = in_place
         if hook is not None and settings is not None:
             setattr(state, POLICY_STATE, hook.policy)
             setattr(state, OPEN_METRICS_STATE, settings.open_metrics)
@@ -132,22 +134,36 @@ def install(engine_client: Any) -> ReuseHook | None:
     return hook
 
 
-async def attach_blend(engine_client: Any) -> None:
-    """Hand each worker's model to the connector for blend's recompute (vLLM's
-    ``collective_rpc`` on the worker extension).
+async def attach_model(engine_client: Any, blend: bool) -> bool:
+    """Hand each worker's model to the connector (vLLM's ``collective_rpc`` on the
+    worker extension): blend's recompute, and an anonymous request's own texts
+    computed in its load's step, run on it. Whether they can (on a turbo server
+    that cannot, those texts are encoded and stored for the request instead).
 
     Raises:
-        UnsupportedModelError: blend cannot run on the served model (the server,
-            started with ``--reuse blend``, stops saying why: it never serves
-            turbo in blend's place).
+        UnsupportedModelError: ``blend`` and blend cannot run on the served model
+            (the server, started with ``--reuse blend``, stops saying why: it
+            never serves turbo in blend's place).
     """
-    reasons = await engine_client.collective_rpc(ATTACH_METHOD)
+    try:
+        reasons = await engine_client.collective_rpc(ATTACH_METHOD)
+    except Exception as exc:  # (no worker extension: a server started by hand)
+        reasons = [f"the workers have no {ATTACH_METHOD} ({type(exc).__name__}: {exc})"]
     refused = sorted({str(r) for r in reasons if r})
-    if refused:
+    if refused and blend:
         raise UnsupportedModelError(
             "--reuse blend: blend cannot run on this model in vLLM: " + "; ".join(refused)
         )
-    logger.info("kvrag: blend runs in vLLM's workers on the served model")
+    if refused:
+        logger.info("kvrag: anonymous requests' own texts are encoded: %s", "; ".join(refused))
+        return False
+    logger.info(
+        "kvrag: %s in vLLM's workers on the served model",
+        "blend runs"
+        if blend
+        else "anonymous requests' own texts are computed in their load's step",
+    )
+    return True
 
 
 def _settings(engine_client: Any) -> ConnectorSettings | None:

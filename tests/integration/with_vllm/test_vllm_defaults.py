@@ -153,7 +153,8 @@ def test_an_anonymous_callers_glue_is_no_oracle_in_cached_tokens_or_time(
 ) -> None:
     """Issue 54: the victim's prompt is an ingested passage, a short note holding a
     secret, another ingested passage and a question: the note is glue between found
-    passages. It is encoded for the victim alone and dropped: an attacker's right
+    passages. It is computed in the victim's own load step, stored nowhere (before:
+    encoded for the victim alone and dropped): an attacker's right
     and wrong guesses, in the victim's layout and in layouts of its own (the guess
     between a passage and an unstored one; a completion that starts with it), get
     the same cached tokens, and the right one is no faster."""
@@ -193,9 +194,14 @@ def test_an_anonymous_callers_glue_is_no_oracle_in_cached_tokens_or_time(
         assert faster <= timed_pairs - 2, (faster, right, wrong)
 
 
-def test_nothing_an_anonymous_request_brings_stays_in_the_store(defaults: Defaults) -> None:
-    """Its glue and prefix were stored for it alone: afterwards the index holds only
-    what the writer ingested, and no other entry is left in the store."""
+def test_nothing_an_anonymous_request_brings_stays_in_the_store(
+    defaults: Defaults, vllm_server: VLLMServer
+) -> None:
+    """Its glue and prefix are computed in its load's step (the workers took the
+    model: the server's log says so), stored nowhere: afterwards the index holds
+    only what the writer ingested, and no other entry is in the store."""
+    log = vllm_server.log.read_text(errors="replace")
+    assert "anonymous requests' own texts are computed in their load's step" in log
     a, b, _ = defaults.passages
     for i in range(3):
         defaults.complete(f"{a}\n\nA note of request {i}: {uuid.uuid4().hex}\n\n{b}\n\nWhy?")

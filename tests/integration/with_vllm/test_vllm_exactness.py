@@ -12,11 +12,11 @@ from vllm_helpers import Corpus, exact_reference, logprobs_of, max_logprob_gap, 
 
 from kvrag_integrations import Chunk, KVRAGEngine, Text
 from kvrag_integrations.chunk_kv import ChunkKV, cache_key
-from kvrag_integrations.engine.prompting.segments import cache_leading_text
+from kvrag_integrations.engine.prompting.segments import TokenizedPrompt, cache_leading_text
 from kvrag_integrations.store.codec import encode_entry
 from kvrag_integrations.vllm.client.reuse import load_run
 from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
-from kvrag_integrations.vllm.params import TransferParams
+from kvrag_integrations.vllm.params import PieceSpec, TransferParams
 
 needs_vllm()
 
@@ -148,3 +148,79 @@ def test_a_bad_entry_is_a_miss_computed_never_injected(
     assert vllm_engine.wait_for_encoding(timeout=300)
     again = vllm_engine.generate(segments=segments, chat_template=False, max_new_tokens=1)
     assert again.reused_chunks == 1
+
+
+def run_of(engine: VLLMEngine, prompt: TokenizedPrompt, text: str) -> TransferParams:
+    """The load of ``prompt``'s pieces up to its last chunk: chunks from their
+    entries, text pieces as ``text`` says: "computed" (what the server's hook makes
+    of an anonymous request's own text: no entry, a suffix of its own that salts
+    the request alone) or "stored" (read from an entry of its ids)."""
+    secret = tuple(int(i) for i in prompt.input_ids[:24].tolist())
+    run, position = [], 0
+    last = max(i for i, piece in enumerate(prompt.pieces) if piece.is_chunk)
+    for piece in prompt.pieces[: last + 1]:
+        rows = piece.ids.numel()
+        if piece.is_cached:
+            entry = engine.prompts.piece_entry_ids(piece)
+            run.append(PieceSpec(position, rows, tuple(entry[rows:].tolist())))
+        elif text == "computed":
+            run.append(PieceSpec(position, rows, secret, computed=True))
+        else:
+            run.append(PieceSpec(position, rows))
+        position += rows
+    return TransferParams(load=tuple(run))
+
+
+def loaded_answer(
+    engine: VLLMEngine, ids: list[int], params: TransferParams, max_new_tokens: int = 1
+) -> tuple[list[int], dict[int, float], int]:
+    """``ids`` loaded by ``params``: greedy tokens, the first token's top
+    log-probabilities and vLLM's count of cached prompt tokens."""
+    events = send(
+        engine, ids, salt=params.salt(), params=params.as_request(), max_new_tokens=max_new_tokens
+    )
+    tokens = [t for e in events for t in e.token_ids]
+    first = next(e.logprobs for e in events if e.logprobs)
+    cached = next(e.cached_tokens for e in events if e.cached_tokens is not None)
+    return tokens, first, cached
+
+
+def test_a_computed_head_equals_vllms_own_prefill(vllm_engine: VLLMEngine, musique: Corpus) -> None:
+    """A computed piece at position 0 (an anonymous request's own head, computed in
+    its load's step by vLLM's own model in a forward of ours, reading no entry):
+    its rows are the prompt's own, so the answer is vLLM's own prefill (counted
+    with the load, as blend's recomputed rows are)."""
+    item = musique.item(21)
+    ids = vllm_engine.tokenize([Text(f"Question: {item.question}\nAnswer:")]).input_ids.tolist()
+    head = PieceSpec(0, len(ids) - 3, tuple(ids[:24]), computed=True)
+    tokens, first, _ = exact_reference(vllm_engine, ids, 8)
+    got_tokens, got, cached = loaded_answer(vllm_engine, ids, TransferParams(load=(head,)), 8)
+    assert max_logprob_gap(got, first) < 1e-4
+    assert got_tokens[: len(tokens)] == tokens and cached == head.rows
+
+
+def test_text_computed_in_the_loads_step_equals_it_encoded_and_loaded(
+    vllm_engine: VLLMEngine, musique: Corpus
+) -> None:
+    """Text between two chunks, computed in the load's step (alone, at its place)
+    against the same text encoded as an entry and loaded (the server's way before,
+    still its way where the workers lack the model): the same first token's top-20
+    log-probabilities within 1e-4, on three questions."""
+    for i in range(3):
+        item, chunks = musique.item(30 + i), musique.chunks(30 + i, 2, tag=f"computed-{i}")
+        vllm_engine.encode_chunks(chunks, show_progress=False)
+        note = f"Note {i}: read the second passage first.\n\n"
+        segments = [Chunk(chunks[0]), Text(note), Chunk(chunks[1]), Text(item.question)]
+        prompt = vllm_engine.tokenize(segments)
+        ids = prompt.input_ids.tolist()
+        computed = run_of(vllm_engine, prompt, "computed")
+        stored = run_of(vllm_engine, prompt, "stored")
+        assert [p.computed for p in computed.load] == [False, True, False]
+        text = stored.load[1]
+        entry = ids[text.start : text.end]
+        save = TransferParams(save=(PieceSpec(0, len(entry)),))
+        send(vllm_engine, entry, salt=None, params=save.as_request())  # encoded alone, stored
+        _, want, loaded = loaded_answer(vllm_engine, ids, stored)
+        _, got, cached = loaded_answer(vllm_engine, ids, computed)
+        assert loaded == cached == stored.load_end
+        assert max_logprob_gap(got, want) < 1e-4
