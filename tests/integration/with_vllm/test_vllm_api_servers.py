@@ -77,7 +77,7 @@ def api_server(
 
 @pytest.fixture(scope="module")
 def defaults(api_server: TwoProcesses, musique: Corpus) -> Defaults:
-    return Defaults.ingested(api_server.url, api_server.store, musique)
+    return Defaults.ingested(api_server.server, api_server.store, musique)
 
 
 @pytest.fixture

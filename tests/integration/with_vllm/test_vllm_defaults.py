@@ -43,19 +43,21 @@ pytestmark = pytest.mark.vllm_server(*README_SERVER)
 
 
 class Defaults:
-    """The README's server, its store, and passages a writer ingested through it."""
+    """The README's server, its store and log, and passages a writer ingested
+    through it."""
 
-    def __init__(self, url: str, store: Path, model: str, passages: list[str]) -> None:
+    def __init__(self, url: str, store: Path, model: str, passages: list[str], log: Path) -> None:
         self.url, self.store, self.model, self.passages = url, store, model, passages
+        self.log = log
         self.http = httpx.Client(base_url=url, timeout=300)
 
     @classmethod
-    def ingested(cls, url: str, store: Path, musique: Corpus) -> Defaults:
-        """The server at ``url`` on the disk ``store``, once a writer ingested passages."""
+    def ingested(cls, server: VLLMServer, store: Path, musique: Corpus) -> Defaults:
+        """``server`` on the disk ``store``, once a writer ingested passages."""
         passages = musique.chunks(57, 3, tag="defaults")
-        with VLLMEngine.connect(url) as writer:
+        with VLLMEngine.connect(server.url) as writer:
             writer.encode_chunks(passages, show_progress=False)
-            return cls(url, store, writer.model_name, passages)
+            return cls(server.url, store, writer.model_name, passages, server.log)
 
     def complete(self, prompt: str | list[int], **body: Any) -> tuple[dict[str, Any], float]:
         """A raw completion (one answer token), and its time to that token."""
@@ -86,7 +88,7 @@ class Defaults:
 @pytest.fixture(scope="module")
 def defaults(vllm_server: VLLMServer, musique: Corpus) -> Defaults:
     store = Path(vllm_server.store.removeprefix("disk:"))
-    return Defaults.ingested(vllm_server.url, store, musique)
+    return Defaults.ingested(vllm_server, store, musique)
 
 
 def wrong_codes(n: int) -> list[str]:
@@ -194,13 +196,11 @@ def test_an_anonymous_callers_glue_is_no_oracle_in_cached_tokens_or_time(
         assert faster <= timed_pairs - 2, (faster, right, wrong)
 
 
-def test_nothing_an_anonymous_request_brings_stays_in_the_store(
-    defaults: Defaults, vllm_server: VLLMServer
-) -> None:
+def test_nothing_an_anonymous_request_brings_stays_in_the_store(defaults: Defaults) -> None:
     """Its glue and prefix are computed in its load's step (the workers took the
     model: the server's log says so), stored nowhere: afterwards the index holds
     only what the writer ingested, and no other entry is in the store."""
-    log = vllm_server.log.read_text(errors="replace")
+    log = defaults.log.read_text(errors="replace")
     assert "anonymous requests' own texts are computed in their load's step" in log
     a, b, _ = defaults.passages
     for i in range(3):
