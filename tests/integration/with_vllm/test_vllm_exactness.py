@@ -168,7 +168,7 @@ def run_of(engine: VLLMEngine, prompt: TokenizedPrompt, text: str) -> TransferPa
         else:
             run.append(PieceSpec(position, rows))
         position += rows
-    return TransferParams(load=tuple(run))
+    return TransferParams(load=tuple(run), reuse="turbo")  # (the session engine's is blend)
 
 
 def loaded_answer(
@@ -194,7 +194,8 @@ def test_a_computed_head_equals_vllms_own_prefill(vllm_engine: VLLMEngine, musiq
     ids = vllm_engine.tokenize([Text(f"Question: {item.question}\nAnswer:")]).input_ids.tolist()
     head = PieceSpec(0, len(ids) - 3, tuple(ids[:24]), computed=True)
     tokens, first, _ = exact_reference(vllm_engine, ids, 8)
-    got_tokens, got, cached = loaded_answer(vllm_engine, ids, TransferParams(load=(head,)), 8)
+    params = TransferParams(load=(head,), reuse="turbo")  # (the session engine's is blend)
+    got_tokens, got, cached = loaded_answer(vllm_engine, ids, params, 8)
     assert max_logprob_gap(got, first) < 1e-4
     assert got_tokens[: len(tokens)] == tokens and cached == head.rows
 
