@@ -36,7 +36,10 @@ json_values = st.recursive(
 )
 # what a client might put where we read: our fields with any values, and others
 ours_fields = st.sampled_from(
-    ["load", "save", "overwrite", "tenant", "detect", "deferred", "private", "private_load", "x"]
+    [
+        *("load", "save", "overwrite", "tenant", "detect", "deferred"),
+        *("private", "private_load", "computed_load", "x"),
+    ]
 )
 ours_objects = st.dictionaries(ours_fields, json_values, max_size=5)
 small_ints = st.integers(min_value=0, max_value=50)
@@ -98,11 +101,13 @@ pieces = st.builds(
 @st.composite
 def valid_params(draw: st.DrawFn, server: bool = False) -> TransferParams:
     """Params a client may send: a load run from 0 without gaps, or one save (and
-    where ``server``, what the server's hook writes too: own pieces, an own save)."""
+    where ``server``, what the server's hook writes too: own pieces, computed
+    pieces, an own save)."""
     load, position = [], 0
     for piece in draw(st.lists(pieces, max_size=4)):
         own = piece.own and server
-        load.append(PieceSpec(position, piece.rows, piece.tail, piece.lead, own))
+        computed = server and not own and draw(st.booleans())
+        load.append(PieceSpec(position, piece.rows, piece.tail, piece.lead, own, computed))
         position += piece.rows
     save = draw(st.lists(st.builds(PieceSpec, small_ints, st.integers(1, 50)), max_size=1))
     return TransferParams(
@@ -130,11 +135,12 @@ def test_params_a_client_may_send_go_through_a_request_unchanged(params: Transfe
 def test_a_client_names_nothing_of_a_requests_private_namespace(params: TransferParams) -> None:
     """Issue 59 hole 2: a client's own ``"private": true`` save (or private load) was
     stored in its private namespace and never deleted; only the server's hook
-    writes those fields, and the connector reads them back (the hook's own)."""
+    writes those fields (and computed pieces: a request's own texts), and the
+    connector reads them back (the hook's own)."""
     sent = json.loads(json.dumps(params.as_request()))
     assert TransferParams.from_request(sent) == params  # (the hook's, to the connector)
     body = json.dumps({"kv_transfer_params": sent}).encode()
-    if params.own_save or any(piece.own for piece in params.load):
+    if params.own_save or any(piece.own or piece.computed for piece in params.load):
         with pytest.raises(BadRequest, match="the server's to write"):
             read_body(body)
     else:
