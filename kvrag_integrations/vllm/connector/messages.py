@@ -34,8 +34,9 @@ class PieceOp:
     the span starts at (the scheduler side resolves them against the prompt:
     prompt positions ``start ..`` are entry rows ``offset ..``), and the
     namespace the entry is in (its request's tenant's, or the request's own).
-    A ``computed`` piece reads no entry: the load's ``BlendOp`` computes its rows
-    (``entry_ids[offset:]`` still starts with its prompt ids)."""
+    A ``computed`` piece reads no entry: a blend load's ``BlendOp`` computes its
+    rows, a turbo load's are computed alone (``WorkerSide.compute_texts``);
+    ``entry_ids`` still starts with its prompt ids."""
 
     start: int
     rows: int
@@ -51,8 +52,7 @@ class PieceOp:
 
 @dataclass(frozen=True)
 class BlendOp:
-    """Recompute part of a loaded run (``blend.BlendRunner``; a turbo load's computed
-    pieces: ``texts`` alone, ``recompute_ratio`` 0): with ``settings``, over
+    """Recompute part of a loaded run (``blend.BlendRunner``): with ``settings``, over
     the run's ``chunks`` (``(lo, hi)`` prompt spans: the candidates), its ``texts``
     (spans always recomputed), after its exact leading ``exact`` positions (the
     cached leading text: never recomputed); ``tail``: the prompt's ids after the run

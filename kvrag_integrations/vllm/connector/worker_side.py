@@ -76,7 +76,6 @@ class WorkerSide:
         self.writes = EntryWriter(store, precision, budget, index_log)
         self._touched: dict[str, float] = {}
         self.fingerprint = fingerprint
-        self.precision = precision
         self.layout = layout
         self.caches: dict[int, torch.Tensor] = {}  # decoder layer -> its paged cache
         self.layers: dict[int, Any] = {}  # decoder layer -> vLLM's attention layer
