@@ -6,48 +6,105 @@ Examples:
     >>> result = engine.generate(question="Who?", chunks=["Ada wrote it."])  # doctest: +SKIP
 """
 
-from kvrag_integrations.engine import (
-    CACHE_KEY_FIELD,
-    DEFAULT_STRATEGY,
-    AsyncGenerationStream,
-    Chunk,
-    ChunkKV,
-    ChunkRef,
-    GenerationResult,
-    GenerationStream,
-    KVRAGEngine,
-    PrefillResult,
-    RequestOptions,
-    SamplingParams,
-    Strategy,
-    Text,
-    cache_key,
-    make_strategy,
-)
-from kvrag_integrations.engine.registry import SharedEngines, shared_engines
-from kvrag_integrations.errors import (
-    CacheEntryError,
-    ConnectorMissingError,
-    ContextWindowExceededError,
-    InvalidChunkError,
-    KVRAGError,
-    PagedLayoutError,
-    ServerError,
-    StoreWriteError,
-    ToolCallError,
-    TransferParamsError,
-    UnknownStrategyError,
-    UnsupportedInputError,
-    UnsupportedModelError,
-)
-from kvrag_integrations.rerank import KVReranker
-from kvrag_integrations.store import (
-    DiskKVStore,
-    KVStore,
-    MemoryKVStore,
-    RedisKVStore,
-    TieredKVStore,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvrag_integrations.lazy_exports import lazy_exports
+
+# What the package exports, by the module that defines it, imported on first use
+# (``lazy_exports``).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "kvrag_integrations.engine": (
+        "CACHE_KEY_FIELD",
+        "DEFAULT_STRATEGY",
+        "AsyncGenerationStream",
+        "Chunk",
+        "ChunkKV",
+        "ChunkRef",
+        "GenerationResult",
+        "GenerationStream",
+        "KVRAGEngine",
+        "PrefillResult",
+        "RequestOptions",
+        "SamplingParams",
+        "Strategy",
+        "Text",
+        "cache_key",
+        "make_strategy",
+    ),
+    "kvrag_integrations.engine.registry": (
+        "SharedEngines",
+        "shared_engines",
+    ),
+    "kvrag_integrations.errors": (
+        "CacheEntryError",
+        "ConnectorMissingError",
+        "ContextWindowExceededError",
+        "InvalidChunkError",
+        "KVRAGError",
+        "PagedLayoutError",
+        "ServerError",
+        "StoreWriteError",
+        "ToolCallError",
+        "TransferParamsError",
+        "UnknownStrategyError",
+        "UnsupportedInputError",
+        "UnsupportedModelError",
+    ),
+    "kvrag_integrations.rerank": ("KVReranker",),
+    "kvrag_integrations.store": (
+        "DiskKVStore",
+        "KVStore",
+        "MemoryKVStore",
+        "RedisKVStore",
+        "TieredKVStore",
+    ),
+}
+
+if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from kvrag_integrations.engine import (
+        CACHE_KEY_FIELD,
+        DEFAULT_STRATEGY,
+        AsyncGenerationStream,
+        Chunk,
+        ChunkKV,
+        ChunkRef,
+        GenerationResult,
+        GenerationStream,
+        KVRAGEngine,
+        PrefillResult,
+        RequestOptions,
+        SamplingParams,
+        Strategy,
+        Text,
+        cache_key,
+        make_strategy,
+    )
+    from kvrag_integrations.engine.registry import SharedEngines, shared_engines
+    from kvrag_integrations.errors import (
+        CacheEntryError,
+        ConnectorMissingError,
+        ContextWindowExceededError,
+        InvalidChunkError,
+        KVRAGError,
+        PagedLayoutError,
+        ServerError,
+        StoreWriteError,
+        ToolCallError,
+        TransferParamsError,
+        UnknownStrategyError,
+        UnsupportedInputError,
+        UnsupportedModelError,
+    )
+    from kvrag_integrations.rerank import KVReranker
+    from kvrag_integrations.store import (
+        DiskKVStore,
+        KVStore,
+        MemoryKVStore,
+        RedisKVStore,
+        TieredKVStore,
+    )
 
 __version__ = "0.1.0"
 
@@ -91,3 +148,5 @@ __all__ = [
     "make_strategy",
     "shared_engines",
 ]
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -24,7 +24,23 @@ Importing this package does not import vLLM: a client of a server needs only
 the package and the model's tokenizer.
 """
 
-from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
-from kvrag_integrations.vllm.config import transfer_config, transfer_config_json
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvrag_integrations.lazy_exports import lazy_exports
+
+# Imported on first use (PEP 562), as the package's top level does: vLLM's
+# launcher and processes import ``server/`` and ``connector/`` without the client.
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "kvrag_integrations.vllm.client.vllm_engine": ("VLLMEngine",),
+    "kvrag_integrations.vllm.config": ("transfer_config", "transfer_config_json"),
+}
+
+if TYPE_CHECKING:
+    from kvrag_integrations.vllm.client.vllm_engine import VLLMEngine
+    from kvrag_integrations.vllm.config import transfer_config, transfer_config_json
 
 __all__ = ["VLLMEngine", "transfer_config", "transfer_config_json"]
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
