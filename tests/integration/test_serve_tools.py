@@ -54,7 +54,7 @@ def test_tool_flags_reach_vllm_and_a_packaged_template_is_resolved(
 def test_the_packaged_template_renders_hermes_tool_calls_and_responses() -> None:
     from transformers import AutoTokenizer
 
-    from kvrag_integrations.engine.modeling.model import checkpoint_folder
+    from kvrag_integrations.model_files import checkpoint_folder
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_folder(None)[0])
     template = Path(serve.chat_template_path("chatml-tools")).read_text()

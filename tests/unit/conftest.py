@@ -15,14 +15,13 @@ import pytest
 import torch
 import transformers
 
-from kvrag_integrations import KVRAGEngine
+from kvrag_integrations import KVRAGEngine, model_files
 from kvrag_integrations import embeddings as embeddings_module
-from kvrag_integrations.engine.modeling import model as model_module
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.engine.modeling.model import LoadedModel, model_fingerprint
 
 TINY_NAME = "tiny-llama"
-_default_model_file = model_module.default_model_file  # before no_real_weights patches it
+_default_model_file = model_files.default_model_file  # before no_real_weights patches it
 
 
 def smollm2_tokenizer() -> transformers.PreTrainedTokenizerBase:
@@ -90,5 +89,5 @@ def no_real_weights(monkeypatch: pytest.MonkeyPatch) -> None:
             "or move the test to tests/integration"
         )
 
-    monkeypatch.setattr(model_module, "default_model_file", refuse)
+    monkeypatch.setattr(model_files, "default_model_file", refuse)
     monkeypatch.setattr(embeddings_module, "default_embedding_path", refuse)

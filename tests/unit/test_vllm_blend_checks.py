@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM lane of .ci/
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.attention.attention import Attention
 
-from kvrag_integrations.engine.modeling.model import checkpoint_folder
+from kvrag_integrations.model_files import checkpoint_folder
 from kvrag_integrations.vllm.connector.blend import check_model
 
 

