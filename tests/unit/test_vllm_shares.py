@@ -208,3 +208,30 @@ def test_the_gateway_names_the_caller_by_its_key_or_its_address() -> None:
     assert [a.caller for a in seen] == ["addr:192.0.2.5", *["addr:2001:db8:1:2::/64"] * 2]
     assert caller_of({"client": ("::ffff:192.0.2.5", 1)}, None) == "addr:192.0.2.5"
     assert caller_of({"client": ("192.0.2.5", 1)}, Grant("", "read", holder="h")) == "key:h"
+
+
+def test_an_anonymous_requests_texts_computed_in_its_load_count_as_computed() -> None:
+    """Texts a private request brings (here a long made-up prefix before stored
+    passages), computed in its load's step (``in_place``), are prefill like any
+    other: such requests are heavy and run one at a time beside another caller.
+    (Before, counted as loaded, the flooder's were light: 4 at once, each an
+    unsliced ~800-token forward in a step of everyone's: the load's TTFT p50 5.8x.)"""
+    stored = Stored()
+    for passage in PASSAGES:
+        stored.put(passage)
+    hook, engine = hook_with(stored)
+    hook.in_place = True
+    passages = [t for p in PASSAGES for t in p]
+    reused = passages + [5, 6, 7]
+
+    async def main() -> None:
+        flood = [
+            send(hook, "addr:f", unknown(HEAVY_TOKENS + 100, i) + passages + [5, 6, 7])
+            for i in range(3)
+        ]
+        await beside(hook, "addr:l", 4, reused, flood)
+
+    asyncio.run(main())
+    assert engine.most["addr:l"] == 4
+    assert engine.most["addr:f"] == 1
+    assert hook.shares.held_total >= 2

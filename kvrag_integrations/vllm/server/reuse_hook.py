@@ -305,7 +305,8 @@ class ReuseHook:
         bound = request.admission.bound(ids if isinstance(ids, list) else [])
         signed = bound.signed(secret) if secret is not None else None
         params = replace(params, admission=signed, tenant_salt="")
-        request.loaded = sum(piece.rows for piece in params.load)
+        # (a computed piece reads no entry: the workers compute its rows, in one step)
+        request.loaded = sum(piece.rows for piece in params.load if not piece.computed)
         salt = request_salt(request.admission.tenant, params.layout)
         if salt is None:
             request.prompt.pop("cache_salt", None)
