@@ -22,19 +22,27 @@ GATEWAY = "kvrag_integrations.vllm.server.gateway.TenantGateway"
 SERVE_MODULE = "kvrag_integrations.vllm.server.vllm_serve"
 INSTALLER = "kvrag_integrations.vllm.server.startup.ReuseInstaller"
 
-# vLLM on a CPU, as it ran fastest here (issue 34): float32 and no graph capture;
-# and a long prefill sliced to 256 tokens a step while others run (vLLM's own
-# cap; a request alone gets the whole step), so that one caller's long prompts
-# never hold everyone's decoding for seconds (``server.shares``: one such prompt
-# per caller at a time). Every vLLM this package starts gets them (vLLM alone,
-# which ``bench serve`` compares with, all but the slicing), and a KV cache of an
-# eighth of the host's available memory (``cpu_kv_cache_bytes``); an engine
-# argument given by name overrides one.
+# vLLM on a CPU, as it ran fastest here (issue 34): float32 and no graph capture.
+# And no step long enough to stall everyone's decoding: a long prefill sliced to
+# 64 tokens a step while others run (vLLM's own cap; ``server.shares`` keeps one
+# such prompt per caller at a time), and at most 256 tokens a step, where vLLM
+# gives a request alone the whole step (its default, 2,048 tokens: ~4 s here,
+# which the next arrivals wait out). The load at 4 at once beside bench.flood's
+# "prefix" kind alone (~5k-token prompts): TTFT p50 5.8x its value without the
+# flood at 256 a slice and 2,048 a step, 1.3x at 64 and 256; p99 4.9x and 1.2x
+# (with shares' RECENT_S; docs/benchmarks.md). Every vLLM this
+# package starts gets them (vLLM alone, which ``bench serve`` compares with, all
+# but the slicing and the step's cap), and a KV cache of an eighth of the host's
+# available memory (``cpu_kv_cache_bytes``); an engine argument given by name
+# overrides one.
 CPU_ENGINE_ARGS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
-    "long_prefill_token_threshold": 256,
+    "long_prefill_token_threshold": 64,
+    "max_num_batched_tokens": 256,
 }
+# (what ``plain_server_command`` leaves to vLLM: our scheduling, not the platform's)
+FAIRNESS_ARGS = ("long_prefill_token_threshold", "max_num_batched_tokens")
 # vLLM's CPU default sizes the cache as a share of the memory node's total less
 # what the worker holds, which fails on hosts whose node 0 is small (a VM whose
 # memory was hot-plugged): a size in bytes does not.
@@ -170,12 +178,14 @@ def server_command(model: str | None, store: str, rest: list[str], **settings: A
 def plain_server_command(model: str | None, rest: list[str]) -> list[str]:
     """vLLM's own OpenAI server for ``model`` as ``server_command`` starts it, without
     the connector (prefix caching on): what a server with it is compared with. Its
-    scheduling is vLLM's own: no long-prefill slicing (ours keeps a caller's long
-    prompts from holding others' steps; it costs vLLM alone's median at 16 at once
-    2.6x: 15.4 s against 5.4-5.9 s)."""
+    scheduling is vLLM's own: no long-prefill slicing nor cap on a step
+    (``FAIRNESS_ARGS``: ours keep a caller's long prompts from holding others'
+    steps; slicing cost vLLM alone's median at 16 at once 2.6x: 15.4 s against
+    5.4-5.9 s)."""
     args = engine_args(model, {})
     args.pop("kv_transfer_config")
-    args.pop("long_prefill_token_threshold", None)
+    for name in FAIRNESS_ARGS:
+        args.pop(name, None)
     command = [sys.executable, "-m", SERVE_MODULE]
     return [*command, *_flags(args), "--enable-prompt-tokens-details", *rest]
 

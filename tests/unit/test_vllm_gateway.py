@@ -487,3 +487,20 @@ def test_the_served_process_refuses_an_unverified_architecture_before_vllm(
     assert launch.connector_model([*argv, "--kv-transfer-config", "{not json"]) is None
     with pytest.raises(SystemExit, match="GPT2LMHeadModel"):
         vllm_serve.main(argv)
+
+
+def test_vllm_alone_keeps_vllms_own_scheduling(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On a CPU our server slices long prefills and caps a step (``FAIRNESS_ARGS``:
+    what keeps one caller's prompts from stalling everyone's steps); vLLM alone,
+    which ``bench serve`` compares with, runs vLLM's own scheduling."""
+    from kvrag_integrations.vllm import launch
+
+    monkeypatch.setattr(launch, "checkpoint_folder", lambda model: (str(tmp_path), "tiny"))
+    monkeypatch.setattr(launch, "_has_cuda", lambda: False)
+    monkeypatch.setattr(launch, "cpu_kv_cache_bytes", lambda: 2**30)
+    ours = launch.server_command(None, f"disk:{tmp_path}", [])
+    plain = launch.plain_server_command(None, [])
+    for name in launch.FAIRNESS_ARGS:
+        flag = "--" + name.replace("_", "-")
+        assert flag in ours and flag not in plain, flag
+    assert "--enforce-eager" in plain  # (the platform's settings stay)

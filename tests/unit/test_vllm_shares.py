@@ -19,7 +19,7 @@ from test_vllm_reuse_hook import gateway_arrival, policy
 from kvrag_integrations.vllm.server.arrival import ARRIVAL, Arrival, current
 from kvrag_integrations.vllm.server.gateway import POLICY_STATE, TenantGateway
 from kvrag_integrations.vllm.server.reuse_hook import ReuseHook
-from kvrag_integrations.vllm.server.shares import HEAVY_TOKENS, ComputeShares, caller_of
+from kvrag_integrations.vllm.server.shares import HEAVY_TOKENS, MIN_CALLS, ComputeShares, caller_of
 from kvrag_integrations.vllm.trust import Grant
 
 PREFILL_S = 0.05
@@ -222,16 +222,90 @@ def test_an_anonymous_requests_texts_computed_in_its_load_count_as_computed() ->
     hook, engine = hook_with(stored)
     hook.in_place = True
     passages = [t for p in PASSAGES for t in p]
-    reused = passages + [5, 6, 7]
+    reused = [*passages, 5, 6, 7]
 
     async def main() -> None:
-        flood = [
-            send(hook, "addr:f", unknown(HEAVY_TOKENS + 100, i) + passages + [5, 6, 7])
-            for i in range(3)
-        ]
+        flood = [send(hook, "addr:f", [*unknown(HEAVY_TOKENS + 100, i), *reused]) for i in range(3)]
         await beside(hook, "addr:l", 4, reused, flood)
 
     asyncio.run(main())
     assert engine.most["addr:l"] == 4
     assert engine.most["addr:f"] == 1
     assert hook.shares.held_total >= 2
+
+
+def test_a_burst_in_a_gap_between_anothers_requests_runs_one_at_a_time() -> None:
+    """Another caller that had a request in flight within ``recent_s`` is still
+    around: a burst of heavy requests sent in the gap runs one prefill at a time
+    (before, all at once, and each kept its slice of every step for its whole
+    prefill after the other came back); once the other has been quiet for
+    ``recent_s``, the caller is alone again and held in nothing."""
+    hook, engine = hook_with(Stored())
+    hook.shares.recent_s = 0.5
+
+    async def main() -> None:
+        await send(hook, "addr:l", unknown(40, 1))  # the other caller, then a gap
+        await asyncio.gather(*(send(hook, "addr:f", unknown(400, i)) for i in range(3)))
+        first = engine.most["addr:f"]
+        await asyncio.sleep(0.6)  # quiet for longer than recent_s: alone
+        engine.most.clear()
+        await asyncio.gather(*(send(hook, "addr:f", unknown(400, i)) for i in range(3)))
+        return first
+
+    assert asyncio.run(main()) == 1
+    assert engine.most["addr:f"] == 3
+
+
+def test_a_held_request_starts_once_the_others_have_been_quiet_long_enough() -> None:
+    """A heavy request held while another caller is around starts when that caller
+    has been quiet for ``recent_s``, with no other event to wake it."""
+    shares = ComputeShares(recent_s=0.3)
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        async with shares.active("addr:l"):
+            pass  # (the other caller's request ended just now)
+        async with shares.lane("addr:f", HEAVY_TOKENS + 1):  # the first: not held
+            started = loop.time()
+            async with shares.lane("addr:f", HEAVY_TOKENS + 1):  # held until then
+                return loop.time() - started
+
+    waited = asyncio.run(asyncio.wait_for(main(), 5))
+    assert 0.25 < waited < 2.0 and shares.held_total == 1
+
+
+def test_a_caller_has_no_more_calls_in_the_engine_than_the_busiest_other() -> None:
+    """Light calls fill a step too (a beam search's, one per beam and step): beside
+    another caller, one has at most as many calls in the engine as the busiest
+    other caller around, and at least ``MIN_CALLS``; alone, as many as it sends."""
+    hook, engine = hook_with(Stored())
+    running: Counter[str] = Counter()
+    most: Counter[str] = Counter()
+    inner = engine.generate
+
+    async def counting(prompt, sampling_params, request_id, **kwargs):
+        caller = current().caller
+        running[caller] += 1
+        most[caller] = max(most[caller], running[caller])
+        try:
+            async for output in inner(prompt, sampling_params, request_id, **kwargs):
+                yield output
+        finally:
+            running[caller] -= 1
+
+    hook.generate_inner = counting
+
+    async def main(others: int) -> None:
+        flood = [send(hook, "addr:f", unknown(40, i)) for i in range(16)]
+        if others:
+            await beside(hook, "addr:l", others, unknown(40, 1), flood)
+        else:
+            await asyncio.gather(*flood)
+
+    for others, cap in ((2, MIN_CALLS), (MIN_CALLS + 2, MIN_CALLS + 2), (0, 16)):
+        most.clear()
+        hook.shares.recent_s = 0.0  # (each case on its own)
+        asyncio.run(main(others))
+        assert most["addr:f"] == cap, (others, most)
+        if others:
+            assert most["addr:l"] == others

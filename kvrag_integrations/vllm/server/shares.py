@@ -9,8 +9,14 @@ its value without (``bench serve``). So the hook holds a caller's heavy
 request (one computing more than ``HEAVY_TOKENS`` prompt tokens; the server's
 own encodes of a request's texts are its caller's too) until the caller's
 previous heavy one has its first token, whenever another caller has a request
-in flight (``ComputeShares``). Light requests (what reuse makes of a request)
-are never held, and a caller alone on the server is held in nothing. vLLM's
+in flight or had one within ``RECENT_S`` (``ComputeShares``): the gaps between
+one client's requests let no burst of another's in, and a burst sent in a quiet
+moment holds no more than one slice of each step once others are back, however
+long its prefills last. Nor may a caller have more calls in the engine than
+the busiest other caller around (at least ``MIN_CALLS``): a beam search runs
+one engine call per beam and step, and light calls of many kinds fill a step
+as one prefill does. What reuse makes of a request is otherwise never held,
+and a caller alone on the server is held in nothing. vLLM's
 ``long_prefill_token_threshold`` (``launch.CPU_ENGINE_ARGS``) then keeps each
 step to a slice of that one prefill per caller.
 
@@ -33,6 +39,12 @@ from typing import Any
 from kvrag_integrations.vllm.trust import Grant
 
 HEAVY_TOKENS = 128
+RECENT_S = 30.0
+"""A caller that had a request in flight this recently is still around: another's
+heavy prefills run one at a time meanwhile."""
+MIN_CALLS = 4
+"""Engine calls a caller may have at once beside others (more where another
+caller around has more: an equal share of the engine's requests)."""
 """A request computing more prompt tokens than this is heavy: a request whose
 passages are loaded computes its question and the template's few tokens."""
 
@@ -74,11 +86,13 @@ class ComputeShares:
         heavy_tokens: requests computing more prompt tokens than this are heavy.
     """
 
-    def __init__(self, heavy_tokens: int = HEAVY_TOKENS) -> None:
-        self.heavy_tokens = heavy_tokens
+    def __init__(self, heavy_tokens: int = HEAVY_TOKENS, recent_s: float = RECENT_S) -> None:
+        self.heavy_tokens, self.recent_s = heavy_tokens, recent_s
         self.held_total = 0  # heavy requests that had to wait (logs, tests)
         self._active: Counter[str] = Counter()  # requests in flight, by caller
+        self._left: dict[str, float] = {}  # when each caller's last request ended
         self._heavy: Counter[str] = Counter()  # heavy ones in prefill, by caller
+        self._calls: Counter[str] = Counter()  # calls in the engine, by caller
         self._changed: asyncio.Event | None = None
 
     @contextlib.asynccontextmanager
@@ -88,30 +102,55 @@ class ComputeShares:
         try:
             yield
         finally:
+            self._left[caller] = _now()
             self._count_down(self._active, caller)
 
     def lane(self, caller: str, computed_tokens: int) -> Lane:
-        """``async with``: the block runs a request computing ``computed_tokens``
-        prompt tokens for ``caller``, after waiting its turn where it is heavy;
-        ``release`` once its prefill is done (its first output)."""
+        """``async with``: the block runs one engine call computing ``computed_tokens``
+        prompt tokens for ``caller``, after waiting its turn where it is heavy or
+        past the caller's share of calls; ``release`` once its prefill is done (its
+        first output)."""
         return Lane(self, caller, computed_tokens > self.heavy_tokens)
 
-    def _others_active(self, caller: str) -> bool:
-        return any(n for other, n in self._active.items() if other != caller)
+    def _others_around(self, caller: str) -> float:
+        """Seconds until no other caller counts as around (0: none is; inf: one has
+        a request in flight)."""
+        if any(n for other, n in self._active.items() if other != caller):
+            return float("inf")
+        now = _now()
+        for other in [o for o, left in self._left.items() if now - left >= self.recent_s]:
+            del self._left[other]  # (gone: forgotten)
+        lefts = [left for other, left in self._left.items() if other != caller]
+        return max(lefts) + self.recent_s - now if lefts else 0.0
 
-    async def _acquire(self, caller: str) -> None:
+    async def _acquire(self, caller: str, heavy: bool) -> None:
+        """Wait until ``caller`` may start one more call (``heavy``: a heavy one)."""
         waited = False
-        while self._heavy[caller] and self._others_active(caller):
+        while (around := self._others_around(caller)) > 0 and self._over(caller, heavy):
             if not waited:
                 self.held_total += 1
                 waited = True
             if self._changed is None:
                 self._changed = asyncio.Event()
-            await self._changed.wait()
-        self._heavy[caller] += 1
+            changed = self._changed.wait()
+            with contextlib.suppress(asyncio.TimeoutError):  # (the others went quiet meanwhile)
+                await asyncio.wait_for(changed, None if around == float("inf") else around)
+        self._calls[caller] += 1
+        if heavy:
+            self._heavy[caller] += 1
+
+    def _over(self, caller: str, heavy: bool) -> bool:
+        """Whether another call of ``caller`` would be more than its share."""
+        if heavy and self._heavy[caller]:
+            return True
+        others = (n for other, n in self._calls.items() if other != caller)
+        return self._calls[caller] >= max([MIN_CALLS, *others])
 
     def _release(self, caller: str) -> None:
         self._count_down(self._heavy, caller)
+
+    def _end_call(self, caller: str) -> None:
+        self._count_down(self._calls, caller)
 
     def _count_down(self, counts: Counter[str], caller: str) -> None:
         """One of ``caller``'s fewer in ``counts`` (none left: no key), and every
@@ -124,6 +163,10 @@ class ComputeShares:
             self._changed = None
 
 
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
 class Lane:
     """One request's turn (``ComputeShares.lane``)."""
 
@@ -132,9 +175,8 @@ class Lane:
         self._held = False
 
     async def __aenter__(self) -> Lane:
-        if self.heavy:
-            await self.shares._acquire(self.caller)
-            self._held = True
+        await self.shares._acquire(self.caller, self.heavy)
+        self._held = self.heavy
         return self
 
     def release(self) -> None:
@@ -150,3 +192,4 @@ class Lane:
         trace: TracebackType | None,
     ) -> None:
         self.release()
+        self.shares._end_call(self.caller)
