@@ -107,6 +107,10 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -190,6 +194,15 @@ def parser() -> argparse.ArgumentParser:
         help="serve: the flooding client's requests in flight (0: no abuse run)",
     )
     p.add_argument(
+        "--flood-kinds",
+        type=_names,
+        default=None,
+        help="serve: what the flooder sends, e.g. prefix (default: glue,prefix,save,beam,salts)",
+    )
+    p.add_argument(
+        "--servers", type=_names, default=None, help="serve: kvrag, plain or both (default)"
+    )
+    p.add_argument(
         "--api-server-count", type=int, default=None, help="serve: our server's API processes"
     )
     p.add_argument(
@@ -238,6 +251,8 @@ def suite_options(
         "concurrencies": getattr(args, "concurrencies", None),
         "requests": getattr(args, "requests", None),
         "flood_concurrency": getattr(args, "flood_concurrency", None),
+        "flood_kinds": getattr(args, "flood_kinds", None),
+        "servers": getattr(args, "servers", None),
         "api_server_count": getattr(args, "api_server_count", None),
         "vllm_engine": vllm_engine,
     }

@@ -6,8 +6,9 @@ times until stopped, cycling through what costs the server most per request:
 
 - ``glue``: stored passages with a new note between them each time (glue the
   server encodes for that request alone);
-- ``prefix``: a new text of about 300 tokens before stored passages (a prefix
-  encoded for it alone);
+- ``prefix``: a new text of ~1.5k tokens of made-up words before stored
+  passages (longer than the server computes as a prefix, ``MAX_PREFIX_TOKENS``:
+  the whole ~5k-token prompt is computed);
 - ``save``: a new prompt of token ids with a ``save`` of the whole of it (what an
   anonymous writer may ask the server to store);
 - ``beam``: beam search (width 4, 8 tokens) over stored passages in a new order
@@ -36,7 +37,7 @@ from typing import Any
 import httpx
 
 KINDS = ("glue", "prefix", "save", "beam", "salts")
-PREFIX_WORDS = 220  # ~300 tokens of made-up words
+PREFIX_WORDS = 220  # ~1.5k tokens of made-up words (SmolLM2 splits their digits)
 MAX_TOKENS = 4
 GRACE_S = 10.0  # how long ``stop`` lets requests in flight finish before cutting them
 LOOPBACK_FLOODER = "127.0.0.2"  # Linux routes all of 127.0.0.0/8 to the loopback device

@@ -74,13 +74,22 @@ def run(
     chat_share: float = 0.25,
     flood_concurrency: int = 4,
     flood_at: int | None = None,
+    flood_kinds: list[str] | None = None,
     api_server_count: int = 1,
+    servers: list[str] | None = None,
     urls: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The figures above. ``requests``: requests at each concurrency (default
     ``max(MIN_REQUESTS, 4 x concurrency)``); ``flood_at``: the concurrency of
-    the abuse run (default: 4 where measured, else the highest); ``urls``: servers
-    already running, by kind (``"kvrag"``, ``"plain"``: only those are measured)."""
+    the abuse run (default: 4 where measured, else the highest); ``flood_kinds``:
+    what the flooder sends (default: every kind of ``flood.KINDS``, in turn; one
+    kind alone says what it costs the load); ``servers``: the kinds to start and
+    measure (``"kvrag"``, ``"plain"``; default both); ``urls``: servers already
+    running, by kind (only those are measured)."""
+    kinds = tuple(flood_kinds or KINDS)
+    unknown = sorted({*kinds} - {*KINDS}) + sorted({*(servers or ())} - {*SERVERS})
+    if unknown:
+        raise ValueError(f"unknown {unknown}: flood kinds {KINDS}, servers {tuple(SERVERS)}")
     from transformers import AutoTokenizer
 
     from kvrag_integrations.bench.vllm_serving import vllm_version
@@ -107,7 +116,7 @@ def run(
     kv_bytes = _kv_cache_bytes(folder, max(levels) * (longest + max_new_tokens))
     flags = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(kv_bytes)]
     measured: dict[str, Any] = {}
-    for kind in list(urls or SERVERS):
+    for kind in list(urls or servers or SERVERS):
         extra = [*flags, "--api-server-count", str(api_server_count)] if kind == "kvrag" else flags
         with ExitStack() as stack:
             url = (urls or {}).get(kind) or stack.enter_context(Server(kind, extra)).url
@@ -122,7 +131,7 @@ def run(
             if flood_concurrency > 0:
                 path = dataset(2000, counts[flood_at], flood_at)
                 source = LOOPBACK_FLOODER if _loopback(url) else None
-                flood = Flood(url, name, sets, tokenizer, flood_concurrency, source_address=source)
+                flood = Flood(url, name, sets, tokenizer, flood_concurrency, kinds, source)
                 flood.start()
                 try:
                     flooded = _bench(url, name, folder, path, counts[flood_at], flood_at,
@@ -144,6 +153,7 @@ def run(
         "api_server_count": api_server_count,
         "flood_at": flood_at,
         "flood_concurrency": flood_concurrency,
+        "flood_kinds": list(kinds),
         # how busy the host was (others' work counts: a figure is quiet only near 0)
         "host_load": f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} (1-min load average, "
         f"{os.cpu_count()} cores)",
@@ -304,7 +314,8 @@ def table(payload: dict[str, Any]) -> str:
         text += (
             f"\n\n{SERVERS[kind]}: the load's TTFT p99 beside the flood is "
             f"{flood['p99_ratio']:.2f}x its value without (bound {FLOOD_BOUND}x: "
-            f"{'within' if flood['within'] else 'over'}); the flooder sent "
+            f"{'within' if flood['within'] else 'over'}); the flooder "
+            f"({', '.join(payload.get('flood_kinds', KINDS))}) sent "
             + ", ".join(f"{n} {k}" for k, n in flooder["counts"].items())
             + "."
         )

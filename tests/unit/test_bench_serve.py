@@ -110,6 +110,7 @@ def test_the_command_hands_its_options_to_the_suite() -> None:
         [
             *("serve", "--concurrencies", "1,4", "--requests", "3", "--flood-concurrency", "0"),
             *("--api-server-count", "2", "--chunks", "4", "--max-new-tokens", "8"),
+            *("--flood-kinds", "prefix,beam", "--servers", "kvrag"),
         ]
     )
     options = suite_options(serve_load, args)
@@ -117,7 +118,16 @@ def test_the_command_hands_its_options_to_the_suite() -> None:
         "concurrencies": [1, 4],
         "requests": 3,
         "flood_concurrency": 0,
+        "flood_kinds": ["prefix", "beam"],
+        "servers": ["kvrag"],
         "api_server_count": 2,
         "n_chunks": 4,
         "max_new_tokens": 8,
     }
+
+
+def test_an_unknown_flood_kind_or_server_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="'typo'"):
+        serve_load.run(None, [], flood_kinds=["prefix", "typo"])
+    with pytest.raises(ValueError, match="'vllm'"):
+        serve_load.run(None, [], servers=["vllm"])

@@ -276,8 +276,9 @@ def test_a_held_request_starts_once_the_others_have_been_quiet_long_enough() -> 
 
 def test_a_caller_has_no_more_calls_in_the_engine_than_the_busiest_other() -> None:
     """Light calls fill a step too (a beam search's, one per beam and step): beside
-    another caller, one has at most as many calls in the engine as the busiest
-    other caller around, and at least ``MIN_CALLS``; alone, as many as it sends."""
+    another caller's calls, one has at most as many calls in the engine as the
+    busiest other caller, and at least ``MIN_CALLS``; alone, or beside a caller
+    with none in the engine now (around, but idle), as many as it sends."""
     hook, engine = hook_with(Stored())
     running: Counter[str] = Counter()
     most: Counter[str] = Counter()
@@ -309,3 +310,7 @@ def test_a_caller_has_no_more_calls_in_the_engine_than_the_busiest_other() -> No
         assert most["addr:f"] == cap, (others, most)
         if others:
             assert most["addr:l"] == others
+    hook.shares.recent_s = 30.0  # the other caller is around (it just sent), but idle
+    most.clear()
+    asyncio.run(main(0))
+    assert most["addr:f"] == 16

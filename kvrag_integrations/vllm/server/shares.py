@@ -13,7 +13,8 @@ in flight or had one within ``RECENT_S`` (``ComputeShares``): the gaps between
 one client's requests let no burst of another's in, and a burst sent in a quiet
 moment holds no more than one slice of each step once others are back, however
 long its prefills last. Nor may a caller have more calls in the engine than
-the busiest other caller around (at least ``MIN_CALLS``): a beam search runs
+the busiest other caller with calls in it now (at least ``MIN_CALLS``;
+work-conserving: an idle caller's share goes to the others): a beam search runs
 one engine call per beam and step, and light calls of many kinds fill a step
 as one prefill does. What reuse makes of a request is otherwise never held,
 and a caller alone on the server is held in nothing. vLLM's
@@ -43,8 +44,8 @@ RECENT_S = 30.0
 """A caller that had a request in flight this recently is still around: another's
 heavy prefills run one at a time meanwhile."""
 MIN_CALLS = 4
-"""Engine calls a caller may have at once beside others (more where another
-caller around has more: an equal share of the engine's requests)."""
+"""Engine calls a caller may have at once beside another's (more where another
+caller has more in the engine: an equal share of the engine's requests)."""
 """A request computing more prompt tokens than this is heavy: a request whose
 passages are loaded computes its question and the template's few tokens."""
 
@@ -140,11 +141,13 @@ class ComputeShares:
             self._heavy[caller] += 1
 
     def _over(self, caller: str, heavy: bool) -> bool:
-        """Whether another call of ``caller`` would be more than its share."""
+        """Whether another call of ``caller`` would be more than its share: a second
+        heavy one, or more calls than the busiest caller with calls in the engine
+        now (an idle one leaves its share to the others)."""
         if heavy and self._heavy[caller]:
             return True
-        others = (n for other, n in self._calls.items() if other != caller)
-        return self._calls[caller] >= max([MIN_CALLS, *others])
+        others = [n for other, n in self._calls.items() if other != caller]
+        return bool(others) and self._calls[caller] >= max([MIN_CALLS, *others])
 
     def _release(self, caller: str) -> None:
         self._count_down(self._heavy, caller)
