@@ -40,14 +40,14 @@ from typing import Any
 from kvrag_integrations.vllm.trust import Grant
 
 HEAVY_TOKENS = 128
+"""A request computing more prompt tokens than this is heavy: a request whose
+passages are loaded computes its question and the template's few tokens."""
 RECENT_S = 30.0
 """A caller that had a request in flight this recently is still around: another's
 heavy prefills run one at a time meanwhile."""
 MIN_CALLS = 4
 """Engine calls a caller may have at once beside another's (more where another
 caller has more in the engine: an equal share of the engine's requests)."""
-"""A request computing more prompt tokens than this is heavy: a request whose
-passages are loaded computes its question and the template's few tokens."""
 
 
 def caller_of(scope: Mapping[str, Any], grant: Grant | None) -> str:
