@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--parts",
-        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+        type=_names,
         default=None,
         help="vllm: the parts to run (ttft, throughput, agreement, frameworks, prefix-hit)",
     )
