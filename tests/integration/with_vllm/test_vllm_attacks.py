@@ -354,7 +354,8 @@ def test_a_tenant_learns_nothing_of_anothers_chunks(
     target: Target, musique: Corpus, connect: Callable[..., VLLMEngine]
 ) -> None:
     item = musique.item(55)
-    stored, unknown = musique.chunks(55, 2, tag="tenant-a"), musique.chunks(55, 2, tag="nobody")
+    stored = musique.chunks(55, 2, tag="tenant-a", chars=480)
+    unknown = musique.chunks(55, 2, tag="nobody", chars=480)
     team_a = connect(target.url, api_key="sk-team-a")
     team_a.encode_chunks(stored, show_progress=False)
     mine = team_a.generate(question=item.question, chunks=stored, max_new_tokens=1)
@@ -528,9 +529,13 @@ def test_cached_tokens_count_only_what_was_loaded_and_kept(target: Target, musiq
 TURNS = 5
 
 
-def chat_turns(target: Target, musique: Corpus, key: str | None, extra: dict) -> list[dict]:
+def chat_turns(
+    target: Target, musique: Corpus, key: str | None, extra: dict, pause_s: float = 2.0
+) -> list[dict]:
     """A five-turn chat of ~600-token user turns as a chat client sends it (the
-    whole conversation each turn): each turn's usage; the messages grow in place."""
+    whole conversation each turn), ``pause_s`` between turns (a person reads the
+    answer; what the server stores lands): each turn's usage; the messages grow
+    in place."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{target.url}/v1", api_key=key or "none")
@@ -552,7 +557,7 @@ def chat_turns(target: Target, musique: Corpus, key: str | None, extra: dict) ->
         if len(messages) < 2 * turn + 2:
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         usages.append(reply.usage)
-        time.sleep(2)  # (a person reads the answer; what the server stores lands)
+        time.sleep(pause_s)
     return usages
 
 
@@ -567,7 +572,7 @@ def test_a_keyed_tenants_chat_keeps_vllms_prefix_cache(target: Target, musique: 
         "cache_salt": f"plain-{uuid.uuid4().hex}",
         "kv_transfer_params": {"kvrag": {"detect": False}},
     }
-    plain = chat_turns(target, musique, None, plain_extra)
+    plain = chat_turns(target, musique, None, plain_extra, pause_s=0)  # (nothing to land)
 
     def shares(usages: list) -> list[float]:
         return [u.prompt_tokens_details.cached_tokens / u.prompt_tokens for u in usages[1:]]

@@ -130,18 +130,25 @@ class Corpus:
     def item(self, i: int) -> RagItem:
         return self.items[i % len(self.items)]
 
-    def chunks(self, i: int, n: int, tag: str = "") -> list[str]:
+    def chunks(self, i: int, n: int, tag: str = "", chars: int | None = None) -> list[str]:
+        """Item ``i``'s first ``n`` passages (MuSiQue's: ~600 tokens), marked with
+        ``tag``; each cut at a word to at most ``chars`` characters where given (a
+        test whose point is not length: 480 characters are ~110 tokens)."""
         passages = self.item(i).chunks
         picked = [passages[k % len(passages)] for k in range(n)]
-        return [f"({tag}) {text}" if tag else text for text in picked]
+        marked = [f"({tag}) {text}" if tag else text for text in picked]
+        if chars is None:
+            return marked
+        return [text if len(text) <= chars else text[:chars].rsplit(" ", 1)[0] for text in marked]
 
-    def unseen(self, i: int, n: int, tag: str) -> list[str]:
-        """``chunks(i, n)`` with ``tag`` between every 6 words: no run of 16 tokens
-        of them is in another test's passages (MuSiQue's items share passages, and
-        detection finds a passage inside any entry that holds it)."""
+    def unseen(self, i: int, n: int, tag: str, words: int | None = None) -> list[str]:
+        """``chunks(i, n)`` (each its first ``words`` words where given) with ``tag``
+        between every 6 words: no run of 16 tokens of them is in another test's
+        passages (MuSiQue's items share passages, and detection finds a passage
+        inside any entry that holds it)."""
         out = []
         for text in self.chunks(i, n):
-            words = text.split()
-            parts = [" ".join(words[k : k + 6]) for k in range(0, len(words), 6)]
+            kept = text.split()[:words]
+            parts = [" ".join(kept[k : k + 6]) for k in range(0, len(kept), 6)]
             out.append(f" ({tag}) ".join(parts))
         return out
