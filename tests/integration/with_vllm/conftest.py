@@ -117,49 +117,93 @@ def _started(servers: list[VLLMServer], starts: VLLMStarts) -> list[VLLMServer]:
     return servers
 
 
-@pytest.fixture(scope="session")
-def vllm_servers(
-    redis_servers_store: str, tmp_path_factory: pytest.TempPathFactory, vllm_starts: VLLMStarts
-) -> Iterator[list[VLLMServer]]:
-    """Two vLLM OpenAI servers with the connector sharing one Redis Cluster store (replicas)
-    and one key file (each with a secret of its own, as replicas started apart)."""
-    workdir = tmp_path_factory.mktemp("vllm-servers")
+REPLICAS = ("replicas",)  # SharedServers' key of vllm_servers
+
+
+def _replicas(store: str, workdir: Path) -> list[VLLMServer]:
+    """Two vLLM OpenAI servers with the connector sharing one store (replicas) and
+    one key file (each with a secret of its own, as replicas started apart)."""
     keys = workdir / "keys.json"
     keys.write_text(json.dumps(SERVER_KEYS))
     extra = ["--tenant-keys", str(keys)]
-    vllm_starts.declare("vllm_servers", 2)
-    servers = [VLLMServer(redis_servers_store, workdir, free_port(), extra) for _ in range(2)]
-    yield _started(servers, vllm_starts)
-    for server in servers:
-        server.stop()
+    return [VLLMServer(store, workdir, free_port(), extra) for _ in range(2)]
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(
+    pytestconfig: pytest.Config,
+    redis_servers_store: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    vllm_starts: VLLMStarts,
+) -> list[VLLMServer]:
+    """Two replicas (``_replicas``) on the run's Redis Cluster, stopped after the last
+    test that uses them."""
+    shared = pytestconfig.stash[_SHARED]
+    return shared.get(REPLICAS, _replicas_of(redis_servers_store, tmp_path_factory), vllm_starts)
+
+
+def _replicas_of(store: str, paths: pytest.TempPathFactory) -> Callable[[], list[VLLMServer]]:
+    return lambda: _replicas(store, paths.mktemp("vllm-servers"))
+
+
+def _server_of(
+    flags: tuple[str, ...], paths: pytest.TempPathFactory
+) -> Callable[[], list[VLLMServer]]:
+    def make() -> list[VLLMServer]:
+        folder = paths.mktemp("vllm-shared")
+        return [VLLMServer(f"disk:{folder / 'kv'}", folder, free_port(), flags)]
+
+    return make
 
 
 class SharedServers:
-    """The run's servers by their flags (``vllm_server``), each stopped after the
-    last test that uses it (``last_user``, read from the collected tests)."""
+    """The run's shared servers by key (a ``vllm_server`` marker's flags, or
+    ``REPLICAS``): each started when a test needs it or a little ahead
+    (``_start_ahead``), and stopped after the last test that uses it
+    (``last_user``, read from the collected tests)."""
 
     def __init__(self) -> None:
-        self.running: dict[tuple[str, ...], VLLMServer] = {}
+        self.running: dict[tuple[str, ...], list[VLLMServer]] = {}  # started, maybe not up yet
+        self.up: set[tuple[str, ...]] = set()
+        self.done: set[tuple[str, ...]] = set()  # past their last user: not started again
         self.last_user: dict[tuple[str, ...], str] = {}
+        self.position: dict[str, int] = {}  # a test's place in the run
+
+    def start(
+        self, key: tuple[str, ...], make: Callable[[], list[VLLMServer]], starts: VLLMStarts
+    ) -> None:
+        """Start ``key``'s servers (``make``) unless they are; returns at once."""
+        if key not in self.running:
+            servers = make()
+            starts.declare(f"vllm_server{key}" if key != REPLICAS else "vllm_servers", len(servers))
+            self.running[key] = servers
 
     def get(
-        self, flags: tuple[str, ...], workdir: Callable[[], Path], starts: VLLMStarts
-    ) -> VLLMServer:
-        if flags not in self.running:
-            folder = workdir()
-            starts.declare(f"vllm_server{flags}")
-            server = VLLMServer(f"disk:{folder / 'kv'}", folder, free_port(), flags)
-            self.running[flags] = _started([server], starts)[0]
-        return self.running[flags]
+        self, key: tuple[str, ...], make: Callable[[], list[VLLMServer]], starts: VLLMStarts
+    ) -> list[VLLMServer]:
+        """``key``'s servers once they serve (started now if they were not)."""
+        self.start(key, make, starts)
+        if key not in self.up:
+            try:
+                _started(self.running[key], starts)
+            except BaseException:
+                self.running.pop(key)
+                raise
+            self.up.add(key)
+        return self.running[key]
 
     def release_after(self, nodeid: str) -> None:
-        for flags, last in self.last_user.items():
-            if last == nodeid and flags in self.running:
-                self.running.pop(flags).stop()
+        for key, last in self.last_user.items():
+            if last == nodeid and key in self.running:
+                self.up.discard(key)
+                self.done.add(key)
+                for server in self.running.pop(key):
+                    server.stop()
 
     def stop_all(self) -> None:
         while self.running:
-            self.running.popitem()[1].stop()
+            for server in self.running.popitem()[1]:
+                server.stop()
 
 
 _SHARED = pytest.StashKey[SharedServers]()
@@ -190,10 +234,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     shared = session.config.stash[_SHARED]
-    for item in session.items:
-        flags = _server_flags(item)
-        if flags is not None and "vllm_server" in getattr(item, "fixturenames", ()):
-            shared.last_user[flags] = item.nodeid
+    for i, item in enumerate(session.items):
+        shared.position[item.nodeid] = i
+        if (key := _need(item)) is not None:
+            shared.last_user[key] = item.nodeid
 
 
 @pytest.hookimpl(wrapper=True)
@@ -211,12 +255,57 @@ def vllm_server(
     vllm_starts: VLLMStarts,
 ) -> VLLMServer:
     """The run's server with the flags of the module's ``vllm_server`` marker
-    (started by the first module that asks, on a disk store of its own)."""
+    (started by the first module that asks, or ahead of it, on a disk store of its own)."""
     flags = _server_flags(request.node)
     if flags is None:
         pytest.fail("name the server's flags: pytestmark = pytest.mark.vllm_server(*flags)")
     shared = request.config.stash[_SHARED]
-    return shared.get(flags, lambda: tmp_path_factory.mktemp("vllm-shared"), vllm_starts)
+    return shared.get(flags, _server_of(flags, tmp_path_factory), vllm_starts)[0]
+
+
+AHEAD_MODULES = 2
+"""A shared server starts while the two modules before its first user run: its
+~40 s start (one core, mostly imports) overlaps their tests instead of
+adding to the lane's time."""
+
+
+def _need(item: pytest.Item) -> tuple[str, ...] | None:
+    """The shared servers ``item`` uses: ``REPLICAS``, a marker's flags, or none."""
+    names = getattr(item, "fixturenames", ())
+    if "vllm_servers" in names:
+        return REPLICAS
+    return _server_flags(item) if "vllm_server" in names else None
+
+
+@pytest.fixture(autouse=True)
+def _start_ahead(request: pytest.FixtureRequest, vllm_starts: VLLMStarts) -> None:
+    """Start the next shared server a test will use, if its first user is in one of
+    the next ``AHEAD_MODULES`` modules (this test's own servers are up by now:
+    fixtures of wider scope are set up first)."""
+    shared = request.config.stash[_SHARED]
+    items = request.session.items
+    here = shared.position.get(request.node.nodeid)
+    if here is None:
+        return
+    module, ahead = request.node.getparent(pytest.Module), 0
+    for item in items[here + 1 :]:
+        if (other := item.getparent(pytest.Module)) is not module:
+            module, ahead = other, ahead + 1
+            if ahead > AHEAD_MODULES:
+                return
+        key = _need(item)
+        if key is None or key in shared.running or key in shared.done:
+            continue
+        paths = request.getfixturevalue("tmp_path_factory")
+        if key == REPLICAS:
+            try:
+                store = request.getfixturevalue("redis_servers_store")
+            except pytest.skip.Exception:  # (no Redis here: its tests skip)
+                return
+            shared.start(key, _replicas_of(store, paths), vllm_starts)
+        else:
+            shared.start(key, _server_of(key, paths), vllm_starts)
+        return
 
 
 @pytest.fixture(scope="session")
