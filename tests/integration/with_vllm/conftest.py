@@ -266,7 +266,15 @@ def vllm_server(
 AHEAD_MODULES = 2
 """A shared server starts while the two modules before its first user run: its
 ~40 s start (one core, mostly imports) overlaps their tests instead of
-adding to the lane's time."""
+adding to the lane's time. Not across a test that starts a vLLM of its own
+(``_starts_own``): each takes ~4 GB, and four at once beside the other lanes
+came within 3.5 GB of this machine's 23 GB."""
+
+
+def _starts_own(item: pytest.Item) -> bool:
+    names = getattr(item, "fixturenames", ())
+    private = {"private_vllm_server", "private_vllm_engine"} & set(names)
+    return bool(private) or item.get_closest_marker("starts_vllm") is not None
 
 
 def _need(item: pytest.Item) -> tuple[str, ...] | None:
@@ -280,19 +288,20 @@ def _need(item: pytest.Item) -> tuple[str, ...] | None:
 @pytest.fixture(autouse=True)
 def _start_ahead(request: pytest.FixtureRequest, vllm_starts: VLLMStarts) -> None:
     """Start the next shared server a test will use, if its first user is in one of
-    the next ``AHEAD_MODULES`` modules (this test's own servers are up by now:
-    fixtures of wider scope are set up first)."""
+    the next ``AHEAD_MODULES`` modules and no test between starts a vLLM of its
+    own (this test's own servers are up by now: fixtures of wider scope are set
+    up first)."""
     shared = request.config.stash[_SHARED]
     items = request.session.items
     here = shared.position.get(request.node.nodeid)
-    if here is None:
+    if here is None or _starts_own(request.node):
         return
     module, ahead = request.node.getparent(pytest.Module), 0
     for item in items[here + 1 :]:
         if (other := item.getparent(pytest.Module)) is not module:
             module, ahead = other, ahead + 1
-            if ahead > AHEAD_MODULES:
-                return
+        if ahead > AHEAD_MODULES or _starts_own(item):
+            return
         key = _need(item)
         if key is None or key in shared.running or key in shared.done:
             continue
