@@ -3,6 +3,7 @@ servers they start."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -90,6 +91,9 @@ def logprobs_of(logits: torch.Tensor, ids: list[int]) -> dict[int, float]:
     return {i: float(lp[i]) for i in ids}
 
 
+STOP_GRACE_S = 5.0
+
+
 class VLLMServer:
     """``python -m kvrag_integrations.vllm.serve`` on a free port, until stopped.
     Started through the fixtures of conftest.py, which count each start."""
@@ -110,12 +114,22 @@ class VLLMServer:
         raise RuntimeError(f"vLLM server did not start:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL to the server and what it started after
+        ``STOP_GRACE_S``: vLLM aborts its engine at once, and uvicorn then waits
+        for a request in flight (a client's background encode), which the
+        aborted engine fails only ~25 s later."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
+                import psutil  # (vLLM's dependency)
+
+                with contextlib.suppress(psutil.Error):
+                    for child in psutil.Process(self.proc.pid).children(recursive=True):
+                        child.kill()
                 self.proc.kill()
+                self.proc.wait()
 
 
 class Corpus:
