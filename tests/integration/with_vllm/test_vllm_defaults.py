@@ -124,7 +124,7 @@ def test_no_caller_confirms_a_guess_of_anothers_learned_prompt(
     # passages none ingested (a learned prompt would be the only source): item 60's
     # first passages are item 61's too, which other tests ingest on the run's store.
     # Their first 120 words: a ~750-token prompt, learned (over 256) and most of
-    # a request's time if reused (all of it: 2,500 tokens, 3.4x the compute).
+    # a request's time if reused (whole passages made 2,500: 3.4x the compute).
     own = musique.unseen(60, 3, tag="learned", words=120)
 
     def context(code: str, passages: list[str] = own) -> str:
