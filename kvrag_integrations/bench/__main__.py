@@ -152,7 +152,7 @@ def parser() -> argparse.ArgumentParser:
         "--max-new-tokens",
         type=int,
         default=None,
-        help="quality/peer: answer length; decode: tokens decoded",
+        help="quality/peer/vllm: answer length; decode: tokens decoded",
     )
     p.add_argument(
         "--preset",

@@ -67,22 +67,39 @@ def leftovers(store_url: str) -> int:
     return len(hidden)
 
 
-def ingest(url: str, texts: list[str], folder: Path) -> list[tuple[str, dict]]:
-    """``kvrag ingest --server``: the chunks (text, metadata) it stored, as the app's
-    vector store gets them."""
+def ingest(url: str, texts: dict[str, list[str]], folder: Path) -> dict[str, list]:
+    """``kvrag ingest --server`` (one run for every test's texts, named by their
+    test): per name, the chunks (text, metadata) it stored, as the app's vector
+    store gets them."""
     import chromadb
 
     notes = folder / "notes"
     notes.mkdir()
-    for i, text in enumerate(texts):
-        (notes / f"note{i}.txt").write_text(text)
+    for name, group in texts.items():
+        for i, text in enumerate(group):
+            (notes / f"{name}-{i}.txt").write_text(text)
     command = [sys.executable, "-m", "kvrag_integrations.cli", "ingest", str(notes)]
     command += ["--collection", "notes", "--chroma", str(folder / "chroma")]
     command += ["--server", url, "--no-progress"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = chromadb.PersistentClient(str(folder / "chroma")).get_collection("notes").get()
-    return [(t, {"source": m["file_name"]}) for t, m in zip(got["documents"], got["metadatas"])]
+    stored = [(t, {"source": m["file_name"]}) for t, m in zip(got["documents"], got["metadatas"])]
+    by_name = {name: [c for c in stored if c[1]["source"].startswith(f"{name}-")] for name in texts}
+    assert all(by_name.values()), {name: len(chunks) for name, chunks in by_name.items()}
+    return by_name
+
+
+@pytest.fixture(scope="module")
+def ingested(
+    vllm_server: VLLMServer, musique: Corpus, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list]:
+    """The passages of both tests, stored by a writer through the server."""
+    texts = {
+        "agent": musique.chunks(70, PASSAGES, tag="agent-tools"),
+        "json": musique.chunks(71, PASSAGES, tag="agent-json"),
+    }
+    return ingest(vllm_server.url, texts, tmp_path_factory.mktemp("agent-tools"))
 
 
 def rag_agent(url: str, model: str, chunks: list[tuple[str, dict]]) -> tuple[Any, Any, Any]:
@@ -155,7 +172,7 @@ def find(ids: list[int], part: list[int]) -> int:
 
 
 def test_rag_agent_reads_the_tool_messages_passages_from_storage(
-    vllm_server: VLLMServer, musique: Corpus, tmp_path: Path
+    vllm_server: VLLMServer, musique: Corpus, ingested: dict[str, list]
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -164,7 +181,7 @@ def test_rag_agent_reads_the_tool_messages_passages_from_storage(
 
     folder, name = checkpoint_folder(None)
     tok = AutoTokenizer.from_pretrained(folder)
-    chunks = ingest(vllm_server.url, musique.chunks(70, PASSAGES, tag="agent-tools"), tmp_path)
+    chunks = ingested["agent"]
     ask, llm, tool = rag_agent(vllm_server.url, name, chunks)
     for question in [musique.item(70).question, "Which people or places do these name?"]:
         messages = ask(question)
@@ -227,7 +244,7 @@ def second_call(url: str, model: str, tool_content: str, user_extra: str = "") -
 
 
 def test_json_tool_results_and_markup_in_passages_over_the_server(
-    vllm_server: VLLMServer, musique: Corpus, tmp_path: Path
+    vllm_server: VLLMServer, musique: Corpus, ingested: dict[str, list]
 ) -> None:
     """Issue 51, points 4 and 5 over the server: what share of a JSON tool result's
     passages is read from storage, and what vLLM renders from markup in a passage."""
@@ -240,7 +257,7 @@ def test_json_tool_results_and_markup_in_passages_over_the_server(
     folder, name = checkpoint_folder(None)
     tok = AutoTokenizer.from_pretrained(folder)
     texts = musique.chunks(71, PASSAGES, tag="agent-json")
-    chunks = ingest(vllm_server.url, texts, tmp_path)
+    chunks = ingested["json"]
     # A tool returning JSON (json.dumps of its documents): quotes, newlines and
     # non-ASCII escaped, so the passages are not in the prompt as they were stored.
     dumped = json.dumps([{"page_content": t, "metadata": m} for t, m in chunks])
